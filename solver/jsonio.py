@@ -1,0 +1,39 @@
+"""Atomic JSON writes and reads with errors that name the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json_object(path: str | Path, what: str) -> dict:
+    """Read a JSON object; raise ValueError naming the file if it is missing or corrupt."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} file {path} is corrupt (not valid JSON: {exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {path} is corrupt (expected a JSON object)")
+    return data

@@ -1,0 +1,168 @@
+"""The problem: an operator DAG with measured costs. Plain data, versioned JSON, no torch.
+
+A `Problem` is what `monet_opt.build_problem` produces and what every strategy in
+`solver` consumes. Nodes are in topological order; a node's `inputs` name earlier
+nodes only (the model's own inputs and parameters live outside the problem: they
+exist before the step and are not counted).
+
+Bytes are storage bytes. The memory model that gives them meaning is written once,
+in `solver.simulate`'s docstring.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from solver.jsonio import atomic_write_text, read_json_object
+
+PROBLEM_FORMAT_VERSION = 1
+
+
+class ProblemError(ValueError):
+    """A problem file or object is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One way to run a node, with its measured costs.
+
+    keeps_inputs: positions in `Node.inputs` whose storage the backward state holds.
+    keeps_output: the backward state holds the node's own output storage.
+    state_bytes: private bytes the backward state holds besides those storages
+        (batch-norm statistics, a 1-bit ReLU mask, packed pooling indices, ...).
+    fwd_workspace / bwd_workspace: transient bytes during the call, beyond the
+        output (forward) or the new input gradients (backward).
+    """
+
+    name: str
+    fwd_time: float
+    bwd_time: float
+    fwd_workspace: int = 0
+    bwd_workspace: int = 0
+    keeps_inputs: tuple[int, ...] = ()
+    keeps_output: bool = False
+    state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operator.
+
+    output_bytes: bytes of the storage the output owns (0 for a view: see alias_of).
+    alias_of: position in `inputs` whose storage the output shares (views,
+        reshapes, getitem of a tuple), else None.
+    grad_bytes: bytes of the gradient of the output (a view has a real gradient).
+    requires_backward: the node has a backward stage (gradient reaches it and it
+        has a parameter or an input that needs a gradient).
+    param_grad_bytes: parameter-gradient bytes first allocated by this node's backward.
+    is_output: the model returns this value; the user holds it until the step ends.
+    """
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    output_bytes: int
+    impls: tuple[Impl, ...]
+    grad_bytes: int = 0
+    alias_of: int | None = None
+    requires_backward: bool = False
+    param_grad_bytes: int = 0
+    is_output: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(
+            self, "impls", tuple(i if isinstance(i, Impl) else Impl(**i) for i in self.impls)
+        )
+
+    def impl(self, name: str) -> Impl:
+        for impl in self.impls:
+            if impl.name == name:
+                return impl
+        raise ProblemError(f"node {self.name!r} has no implementation {name!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    nodes: tuple[Node, ...]
+    fingerprint: str
+    fixed_bytes: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        nodes = tuple(n if isinstance(n, Node) else Node(**n) for n in self.nodes)
+        object.__setattr__(self, "nodes", nodes)
+        _validate(nodes)
+
+    # -- lookups -------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def index(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def node(self, name: str) -> Node:
+        return self.nodes[self.index()[name]]
+
+    # -- JSON ----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format_version": PROBLEM_FORMAT_VERSION, "kind": "monet-opt problem", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Problem:
+        if data.get("kind") != "monet-opt problem":
+            raise ProblemError("not a monet-opt problem (field 'kind' missing or different)")
+        version = data.get("format_version")
+        if version != PROBLEM_FORMAT_VERSION:
+            raise ProblemError(
+                f"problem format_version {version!r} is not supported (expected {PROBLEM_FORMAT_VERSION})"
+            )
+        try:
+            return cls(
+                nodes=tuple(data["nodes"]),
+                fingerprint=data["fingerprint"],
+                fixed_bytes=int(data.get("fixed_bytes", 0)),
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ProblemError(f"malformed problem: {exc}") from exc
+
+    def to_json(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Problem:
+        return cls.from_dict(read_json_object(path, what="problem"))
+
+
+def _validate(nodes: tuple[Node, ...]) -> None:
+    seen: set[str] = set()
+    for node in nodes:
+        if node.name in seen:
+            raise ProblemError(f"duplicate node name {node.name!r}")
+        for inp in node.inputs:
+            if inp not in seen:
+                raise ProblemError(
+                    f"node {node.name!r} uses {inp!r}, which is not an earlier node "
+                    "(nodes must be in topological order)"
+                )
+        if not node.impls:
+            raise ProblemError(f"node {node.name!r} has no implementation")
+        if node.alias_of is not None and not 0 <= node.alias_of < len(node.inputs):
+            raise ProblemError(f"node {node.name!r}: alias_of {node.alias_of} is not an input position")
+        for impl in node.impls:
+            for pos in impl.keeps_inputs:
+                if not 0 <= pos < len(node.inputs):
+                    raise ProblemError(
+                        f"node {node.name!r} impl {impl.name!r}: keeps input {pos}, "
+                        f"but the node has {len(node.inputs)} inputs"
+                    )
+            if min(impl.fwd_time, impl.bwd_time) < 0:
+                raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")
+        seen.add(node.name)

@@ -1,0 +1,234 @@
+"""Replay a schedule against a problem: peak memory, time, and validity.
+
+This module is the judge. It shares no code with the formulation in `solver.milp`
+or with the baselines; every strategy's schedule is checked here.
+
+The memory model (the formulation and `monet_opt.runtime` follow it)
+--------------------------------------------------------------------
+Memory is counted in bytes above what was live before the training step: the
+model's parameters, their existing gradients, optimizer state and the input
+batch are not counted. Live at any moment is the sum of:
+
+* storages -- each node that owns its output (not a view) has one storage of
+  `output_bytes`. A storage is live while anything holds it:
+    - the schedule's value handle on the node or on any view of it
+      (`alias_of` chains lead a view to the storage it shares);
+    - the backward state of a node whose implementation keeps that input
+      (`keeps_inputs`) or keeps its own output (`keeps_output`);
+    - the user, for nodes marked `is_output`, from the end of the forward stage
+      to the end of the step.
+* backward states -- `compute ... grad=True` creates the node's state; it holds
+  `state_bytes` of private memory (plus the storages above) until the node's
+  `backward` step or a `free_state` step.
+* gradients -- the gradient of a node's output (`grad_bytes`) is allocated by the
+  first backward that produces it and freed by the node's own backward. Gradients
+  of the model's outputs are allocated by the user's loss, at the start of the
+  first backward stage.
+* parameter gradients -- `param_grad_bytes` of a node are allocated by its
+  backward and stay to the end of the step (zero_grad(set_to_none=True)).
+* `fixed_bytes` of the problem, always.
+
+Transient peaks:
+* compute: live + output_bytes (if not a view) + state_bytes (if grad) + fwd_workspace.
+  If the node's value handle is already live, the new output is a second storage;
+  the old one is released only when nothing else holds it.
+* backward of t: live + bwd_workspace + grad_bytes of every input that needs a
+  gradient + param_grad_bytes(t). Then each new input gradient is added into the
+  existing one (the new one freed) or becomes it; t's state and gradient are freed.
+
+Time is the sum of `fwd_time` of every compute step and `bwd_time` of every
+backward step, with the implementation named in the step.
+
+A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
+value whose handle is not held, backs a node without its state or gradient,
+frees what is not held, leaves a node that needs a backward without one, or
+does not compute every output in the forward stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solver.problem import Impl, Node, Problem
+from solver.schedule import Schedule
+
+
+class ScheduleInvalid(ValueError):
+    """The schedule cannot run: the message names the stage, step and node."""
+
+
+@dataclass
+class SimResult:
+    peak_bytes: int
+    time_s: float
+    stage_peaks: list[int] = field(default_factory=list)
+    timeline: list[tuple[str, int, int]] = field(default_factory=list)  # (stage, step index, live bytes)
+    recompute_time_s: float = 0.0
+
+
+def simulate(problem: Problem, schedule: Schedule, check_fingerprint: bool = True) -> SimResult:
+    if check_fingerprint:
+        schedule.check_fingerprint(problem.fingerprint, what="problem")
+    return _Replay(problem).run(schedule)
+
+
+class _Replay:
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        self.by_name: dict[str, Node] = {n.name: n for n in problem.nodes}
+        self.base: dict[str, str] = {}
+        for n in problem.nodes:
+            self.base[n.name] = self.base[n.inputs[n.alias_of]] if n.alias_of is not None else n.name
+        # storages: base name -> list of live copies; each copy is a set of holder tokens
+        self.copies: dict[str, list[set]] = {}
+        self.handle: dict[str, tuple[str, int]] = {}  # node -> (base, copy id) it holds
+        self.copy_ids: dict[tuple[str, int], set] = {}
+        self.next_copy = 0
+        # node -> (implementation, private bytes, held storage copies)
+        self.states: dict[str, tuple[Impl, int, list[tuple[str, int]]]] = {}
+        self.grads: dict[str, int] = {}
+        self.backed: set[str] = set()
+        self.live = problem.fixed_bytes
+        self.peak = self.live
+
+    # -- storage bookkeeping ---------------------------------------------------
+    def _new_copy(self, node: Node) -> tuple[str, int]:
+        base = self.base[node.name]
+        key = (base, self.next_copy)
+        self.next_copy += 1
+        self.copy_ids[key] = set()
+        self.live += self.by_name[base].output_bytes if node.alias_of is None else 0
+        return key
+
+    def _hold(self, key: tuple[str, int], token) -> None:
+        self.copy_ids[key].add(token)
+
+    def _release(self, key: tuple[str, int], token) -> None:
+        holders = self.copy_ids[key]
+        holders.discard(token)
+        if not holders:
+            del self.copy_ids[key]
+            self.live -= self.by_name[key[0]].output_bytes
+
+    def _bump(self, extra: int = 0) -> None:
+        self.peak = max(self.peak, self.live + extra)
+        self.stage_peak = max(self.stage_peak, self.live + extra)
+
+    # -- replay ----------------------------------------------------------------
+    def run(self, schedule: Schedule) -> SimResult:
+        if not schedule.stages or schedule.stages[0].name != "forward":
+            raise ScheduleInvalid("the first stage must be 'forward'")
+        time = 0.0
+        recompute = 0.0
+        stage_peaks: list[int] = []
+        timeline: list[tuple[str, int, int]] = []
+        for s_idx, stage in enumerate(schedule.stages):
+            self.stage_peak = self.live
+            if s_idx == 1:
+                self._start_backward()
+            for k, step in enumerate(stage.steps):
+                where = f"stage {stage.name!r}, step {k} ({step.op} {step.node})"
+                node = self.by_name.get(step.node)
+                if node is None:
+                    raise ScheduleInvalid(f"{where}: unknown node")
+                if step.op == "compute":
+                    t = self._compute(node, step.impl, step.grad, where)
+                    time += t
+                    if s_idx > 0:
+                        recompute += t
+                elif step.op == "backward":
+                    time += self._backward(node, where)
+                elif step.op == "free_value":
+                    if node.name not in self.handle:
+                        raise ScheduleInvalid(f"{where}: the value is not held")
+                    self._release(self.handle.pop(node.name), ("h", node.name))
+                elif step.op == "free_state":
+                    if node.name not in self.states:
+                        raise ScheduleInvalid(f"{where}: no backward state to free")
+                    self._drop_state(node.name)
+                else:  # pragma: no cover - Schedule rejects unknown ops
+                    raise ScheduleInvalid(f"{where}: unknown op")
+                timeline.append((stage.name, k, self.live))
+            if s_idx == 0:
+                self._end_forward()
+            stage_peaks.append(self.stage_peak)
+        if len(schedule.stages) == 1:
+            self._start_backward()
+        missing = [n.name for n in self.p.nodes if n.requires_backward and n.name not in self.backed]
+        if missing:
+            raise ScheduleInvalid(f"nodes never run backward: {', '.join(missing[:8])}")
+        return SimResult(self.peak, time, stage_peaks, timeline, recompute)
+
+    def _end_forward(self) -> None:
+        for n in self.p.nodes:
+            if n.is_output:
+                if n.name not in self.handle:
+                    raise ScheduleInvalid(f"stage 'forward': output {n.name!r} is not held at its end")
+                self._hold(self.handle[n.name], ("user", n.name))
+
+    def _start_backward(self) -> None:
+        for n in self.p.nodes:
+            if n.is_output and n.requires_backward and n.name not in self.grads:
+                self.grads[n.name] = n.grad_bytes
+                self.live += n.grad_bytes
+        self._bump()
+
+    def _compute(self, node: Node, impl_name: str | None, grad: bool, where: str) -> float:
+        impl = next((i for i in node.impls if i.name == impl_name), None)
+        if impl is None:
+            raise ScheduleInvalid(f"{where}: no implementation {impl_name!r}")
+        for inp in node.inputs:
+            if inp not in self.handle:
+                raise ScheduleInvalid(f"{where}: input {inp!r} is not available (not held)")
+        if node.alias_of is not None:
+            key = self.handle[node.inputs[node.alias_of]]
+        else:
+            key = self._new_copy(node)
+        state_bytes = impl.state_bytes if grad else 0
+        self._bump(state_bytes + impl.fwd_workspace)
+        old = self.handle.get(node.name)
+        self.handle[node.name] = key
+        self._hold(key, ("h", node.name))
+        if old is not None:
+            self._release(old, ("h", node.name))
+        if grad:
+            if node.name in self.states:
+                self._drop_state(node.name)
+            held = [self.handle[node.inputs[p]] for p in impl.keeps_inputs]
+            if impl.keeps_output:
+                held.append(key)
+            for h in held:
+                self._hold(h, ("s", node.name))
+            self.states[node.name] = (impl, state_bytes, held)
+            self.live += state_bytes
+        return impl.fwd_time
+
+    def _drop_state(self, name: str) -> None:
+        _, state_bytes, held = self.states.pop(name)
+        self.live -= state_bytes
+        for h in held:
+            if h in self.copy_ids:
+                self._release(h, ("s", name))
+
+    def _backward(self, node: Node, where: str) -> float:
+        if not node.requires_backward:
+            raise ScheduleInvalid(f"{where}: node has no backward")
+        if node.name in self.backed:
+            raise ScheduleInvalid(f"{where}: backward already ran")
+        if node.name not in self.states:
+            raise ScheduleInvalid(f"{where}: no backward state (compute it with grad=True first)")
+        if node.name not in self.grads:
+            raise ScheduleInvalid(f"{where}: its gradient does not exist yet (a consumer's backward must run first)")
+        impl = self.states[node.name][0]
+        grad_inputs = [self.by_name[i] for i in node.inputs if self.by_name[i].requires_backward]
+        new_grads = sum(n.grad_bytes for n in grad_inputs)
+        self._bump(impl.bwd_workspace + new_grads + node.param_grad_bytes)
+        self.live += node.param_grad_bytes
+        for n in grad_inputs:
+            if n.name not in self.grads:
+                self.grads[n.name] = n.grad_bytes
+                self.live += n.grad_bytes
+        self._drop_state(node.name)
+        self.live -= self.grads.pop(node.name)
+        self.backed.add(node.name)
+        return impl.bwd_time
