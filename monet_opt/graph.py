@@ -1,0 +1,796 @@
+"""Trace a model into an operator graph with measured per-node facts.
+
+`trace(model, example_inputs)` symbolically traces the model with torch.fx (a
+custom tracer: `torch.nn` modules stay single ``call_module`` nodes, functional
+calls become ``call_function`` / ``call_method`` nodes), then runs the traced
+graph once on the example inputs through an `fx.Interpreter` to measure, per
+node, what the memory model needs: output shapes and dtypes, the bytes of the
+storage the output owns (0 for a view), which input a view aliases, the
+gradient bytes, and the bytes its backward keeps in plain PyTorch (measured with
+``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage,
+parameters and buffers excluded).
+
+Modules fx cannot trace (data-dependent control flow, fast paths such as
+``nn.TransformerEncoderLayer``'s) become single leaf nodes: when tracing fails
+inside a submodule, that submodule is made a leaf and tracing is retried. If the
+failure is in the root module's own ``forward``, `TraceError` names the module
+and the source line and suggests a fix.
+
+The measuring run leaves the model as it found it: buffers (batch-norm running
+statistics) are restored and the RNG state is forked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import traceback
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.node import _get_qualified_name
+
+__all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
+
+
+class TraceError(RuntimeError):
+    """The model cannot be traced; the message names the module (and node) and a fix.
+
+    module_path: dotted path of the module whose code failed ('' for the root).
+    node: name of the fx node involved, when the failure happened in a graph run.
+    """
+
+    def __init__(self, message: str, module_path: str | None = None, node: str | None = None) -> None:
+        super().__init__(message)
+        self.module_path = module_path
+        self.node = node
+
+
+# Modules fx cannot trace through (fast paths, data-dependent checks) or that are
+# best kept whole. Instances (including user subclasses) are always leaves.
+KNOWN_LEAF_TYPES: tuple[type[nn.Module], ...] = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.Transformer,
+    nn.RNNBase,
+)
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage a node's backward keeps (plain PyTorch, measured).
+
+    kind: 'input' (the storage of inputs[position]), 'output' (the node's own
+        output storage), 'private' (allocated by the node, not part of its
+        output: batch-norm statistics, pooling indices, a dropout mask, ...),
+        'model_input' (a model input), or 'other' (an earlier node's storage that
+        is not a direct input; `owner` names it).
+    position: the input position for kind 'input', else None.
+    nbytes: storage bytes.
+    storage_id: id of the storage, unique within the trace (to deduplicate
+        storages saved by several nodes).
+    owner: name of the OpNode whose output owns the storage (None for model
+        inputs; this node for 'private').
+    """
+
+    kind: str
+    position: int | None
+    nbytes: int
+    storage_id: int
+    owner: str | None = None
+
+
+@dataclass
+class OpNode:
+    name: str
+    kind: str
+    op: str
+    target: str
+    inputs: list[str]
+    uses_model_input: bool = False
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    is_tensor: bool = False
+    output_bytes: int = 0
+    alias_of: int | None = None
+    grad_bytes: int = 0
+    requires_grad: bool = False
+    param_bytes: int = 0
+    param_names: list[str] = field(default_factory=list)
+    param_grad_bytes: int = 0
+    saved_bytes: int = 0
+    saved_storages: list[SavedStorage] = field(default_factory=list)
+    is_output: bool = False
+    mutated_inputs: list[int] = field(default_factory=list)
+    output_storage_ids: list[int] = field(default_factory=list)
+    aliases_model_input: bool = False
+
+    @property
+    def saved_private_bytes(self) -> int:
+        return sum(s.nbytes for s in self.saved_storages if s.kind == "private")
+
+    @property
+    def keeps_inputs(self) -> tuple[int, ...]:
+        return tuple(sorted({s.position for s in self.saved_storages if s.kind == "input"}))
+
+    @property
+    def keeps_output(self) -> bool:
+        return any(s.kind == "output" for s in self.saved_storages)
+
+
+@dataclass
+class OpGraph:
+    gm: fx.GraphModule
+    nodes: list[OpNode]
+    graph: nx.DiGraph
+    fingerprint: str
+    input_shapes: list[tuple[int, ...]]
+    output_names: list[str]
+    input_dtypes: list[str] = field(default_factory=list)
+    leaf_paths: list[str] = field(default_factory=list)
+    model_input_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._index = {n.name: i for i, n in enumerate(self.nodes)}
+
+    def node(self, name: str) -> OpNode:
+        try:
+            return self.nodes[self._index[name]]
+        except KeyError:
+            raise KeyError(f"no OpNode named {name!r}") from None
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self.nodes)
+
+    @property
+    def total_saved_bytes(self) -> int:
+        """Bytes of the union of saved storages (each storage counted once)."""
+        seen: dict[int, int] = {}
+        for n in self.nodes:
+            for s in n.saved_storages:
+                seen.setdefault(s.storage_id, s.nbytes)
+        return sum(seen.values())
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for n in self.nodes:
+            kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        top = ", ".join(f"{k}={v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:8])
+        return (
+            f"OpGraph({len(self.nodes)} nodes, inputs {self.input_shapes}, "
+            f"saved {self.total_saved_bytes / 2**20:.1f} MiB; {top})"
+        )
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+class _Tracer(fx.Tracer):
+    """torch.nn modules stay leaves; listed paths and known-bad types too."""
+
+    def __init__(self, leaf_paths: set[str], leaf_types: tuple[type, ...]) -> None:
+        super().__init__()
+        self.leaf_paths = leaf_paths
+        self.leaf_types = leaf_types
+        self._path_stack: list[str] = []
+        self.fail_path: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_paths:
+            return True
+        if isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        path = self.path_of_module(m)
+        self._path_stack.append(path)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.fail_path is None:
+                self.fail_path = path
+            raise
+        finally:
+            self._path_stack.pop()
+
+
+class _LeafRoot(nn.Module):
+    """Wraps a root that must stay whole (a torch.nn module) so it becomes one node."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return self.inner(*args)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """'file:line: code' of the innermost frame outside torch, if any."""
+    best = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if not fs.filename.startswith(_TORCH_DIR) and not fs.filename.endswith(
+            os.path.join("monet_opt", "graph.py")
+        ):
+            best = fs
+    if best is None:
+        return ""
+    return f" at {best.filename}:{best.lineno}: {(best.line or '').strip()}"
+
+
+def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any] | None:
+    """Bind forward parameters beyond the example inputs to their defaults.
+
+    Without this fx makes them placeholders, and `if mask is not None:` would
+    take the wrong branch silently.
+    """
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    params = [
+        p
+        for p in sig.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+        return None
+    extra = params[n_inputs:]
+    if any(p.default is inspect.Parameter.empty for p in extra):
+        raise TraceError(
+            f"{type(model).__name__}.forward needs {len(params)} positional inputs "
+            f"({', '.join(p.name for p in params)}), got {n_inputs} example inputs"
+        )
+    concrete = {p.name: p.default for p in extra}
+    for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.KEYWORD_ONLY:
+            if p.default is inspect.Parameter.empty:
+                raise TraceError(f"{type(model).__name__}.forward has a required keyword {p.name!r}")
+            concrete[p.name] = p.default
+    return concrete or None
+
+
+def _symbolic_trace(
+    model: nn.Module,
+    n_inputs: int,
+    leaf_paths: set[str],
+    leaf_types: tuple[type, ...],
+    leaf_fallback: bool,
+) -> tuple[fx.GraphModule, list[str]]:
+    """Trace with leaf fallback. Returns the GraphModule and the auto-leafed paths."""
+    auto: list[str] = []
+    concrete = _concrete_args(model, n_inputs)
+    n_modules = sum(1 for _ in model.modules())
+    for _ in range(n_modules + 1):
+        tracer = _Tracer(leaf_paths | set(auto), leaf_types)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete)
+        except TraceError:
+            raise
+        except Exception as exc:
+            path = tracer.fail_path
+            where = f"module {path!r} ({type(model.get_submodule(path)).__name__})" if path else None
+            if path and leaf_fallback and path not in auto and path not in leaf_paths:
+                warnings.warn(
+                    f"monet_opt.trace: {where} cannot be traced by torch.fx "
+                    f"({type(exc).__name__}: {_first_line(exc)}); it becomes one leaf node",
+                    stacklevel=3,
+                )
+                auto.append(path)
+                continue
+            what = where or f"the root module ({type(model).__name__}.forward)"
+            raise TraceError(
+                f"torch.fx cannot trace {what}{_user_frame(exc)}: {type(exc).__name__}: "
+                f"{_first_line(exc)}. {_fix_hint(exc, path)}",
+                module_path=path or "",
+            ) from exc
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return gm, auto
+    raise TraceError("tracing did not converge while marking untraceable submodules as leaves")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else repr(exc)
+
+
+def _fix_hint(exc: BaseException, path: str | None) -> str:
+    msg = str(exc)
+    hint = ""
+    if "control flow" in msg or "bool" in msg.lower():
+        hint = (
+            "This is data-dependent Python control flow (an `if`/`while` on a tensor value), "
+            "which a static graph cannot capture. "
+        )
+    elif "iterate" in msg or "len(" in msg or "len" in msg:
+        hint = "Iterating over or taking len() of a traced tensor is not supported. "
+    where = f"module {path!r}" if path else "the root forward"
+    return (
+        hint + f"Fix: move the offending code of {where} into its own submodule and pass its path "
+        "in leaf_modules=[...] (it then runs eagerly as one node), or express the condition "
+        "with tensor ops (torch.where)."
+    )
+
+
+# --------------------------------------------------------------------------- measuring run
+
+
+def _flatten(obj: Any) -> list[Any]:
+    out: list[Any] = []
+
+    def rec(o: Any) -> None:
+        if isinstance(o, (list, tuple)):
+            for x in o:
+                rec(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                rec(x)
+        elif isinstance(o, slice):
+            rec(o.start)
+            rec(o.stop)
+            rec(o.step)
+        else:
+            out.append(o)
+
+    rec(obj)
+    return out
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in _flatten(obj) if isinstance(t, torch.Tensor)]
+
+
+def _skey(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        st = t.untyped_storage()
+    except Exception:  # sparse / nested / meta tensors
+        return None
+    if st.nbytes() == 0 or st.data_ptr() == 0:
+        return None
+    return (str(t.device), st.data_ptr())
+
+
+def _snbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return 0
+
+
+class _Measure(fx.Interpreter):
+    """Runs the graph once, recording per-node facts (values are all kept alive,
+    so storage addresses are never reused during the run)."""
+
+    def __init__(self, gm: fx.GraphModule, op_names: set[str]) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.op_names = op_names
+        self.excluded: set[tuple[str, int]] = set()
+        for t in list(gm.parameters()) + list(gm.buffers()):
+            k = _skey(t)
+            if k is not None:
+                self.excluded.add(k)
+        self.storage_ids: dict[tuple[str, int], int] = {}
+        self.storage_owner: dict[tuple[str, int], str | None] = {}
+        self.model_input_keys: set[tuple[str, int]] = set()
+        self.keep: list[Any] = []
+        self.facts: dict[str, dict[str, Any]] = {}
+        self.current_node: fx.Node | None = None
+
+    def _sid(self, key: tuple[str, int]) -> int:
+        if key not in self.storage_ids:
+            self.storage_ids[key] = len(self.storage_ids)
+        return self.storage_ids[key]
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().placeholder(target, args, kwargs)
+        for t in _tensors(value):
+            k = _skey(t)
+            if k is not None and k not in self.excluded:
+                self.model_input_keys.add(k)
+                self._sid(k)
+                self.storage_owner.setdefault(k, None)
+        return value
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        for t in _tensors(value):  # constants held by the module: exist before the step
+            k = _skey(t)
+            if k is not None:
+                self.excluded.add(k)
+        return value
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current_node = n
+        if n.op not in ("call_module", "call_function", "call_method"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        input_nodes = [a for a in _flatten((n.args, n.kwargs)) if isinstance(a, fx.Node)]
+        op_inputs = [a for a in input_nodes if a.name in self.op_names]
+        # storages of each OpNode input position, and versions (in-place detection)
+        in_keys: list[set[tuple[str, int]]] = []
+        in_versions: list[list[int]] = []
+        for a in op_inputs:
+            ts = _tensors(self.env[a])
+            in_keys.append({k for k in (_skey(t) for t in ts) if k is not None})
+            in_versions.append([t._version for t in ts])
+
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = super().run_node(n)
+        self.keep.append(result)
+        self.keep.extend(saved)
+
+        out_ts = _tensors(result)
+        all_in_keys = set().union(*in_keys) if in_keys else set()
+        # output storages: owned (new) vs shared with inputs / model inputs / params
+        owned: dict[tuple[str, int], int] = {}
+        alias_positions: list[int | None] = []
+        aliases_model_input = False
+        for t in out_ts:
+            k = _skey(t)
+            if k is None:
+                continue
+            pos = next((i for i, ks in enumerate(in_keys) if k in ks), None)
+            if pos is not None:
+                alias_positions.append(pos)
+            elif k in self.model_input_keys or k in self.excluded:
+                aliases_model_input = aliases_model_input or k in self.model_input_keys
+                alias_positions.append(None)
+            elif k in self.storage_owner and self.storage_owner[k] is not None:
+                # an earlier node's storage that is not a direct input (rare)
+                alias_positions.append(None)
+            else:
+                owned[k] = _snbytes(t)
+                alias_positions.append(None)
+        for k in owned:
+            self._sid(k)
+            self.storage_owner.setdefault(k, n.name)
+        alias_of = None
+        if out_ts and not owned and alias_positions and all(p is not None for p in alias_positions):
+            if len(set(alias_positions)) == 1:
+                alias_of = alias_positions[0]
+            else:
+                alias_of = alias_positions[0]
+
+        # saved tensors, deduplicated by storage
+        saved_storages: list[SavedStorage] = []
+        seen: set[tuple[str, int]] = set()
+        for t in saved:
+            if not isinstance(t, torch.Tensor):
+                continue
+            k = _skey(t)
+            if k is None or k in seen or k in self.excluded:
+                continue
+            seen.add(k)
+            nb = _snbytes(t)
+            sid = self._sid(k)
+            if k in owned:
+                kind, pos, owner = "output", None, n.name
+            elif k in all_in_keys:
+                pos = next(i for i, ks in enumerate(in_keys) if k in ks)
+                kind, owner = "input", self.storage_owner.get(k)
+            elif k in self.model_input_keys:
+                kind, pos, owner = "model_input", None, None
+            elif self.storage_owner.get(k) is not None:
+                kind, pos, owner = "other", None, self.storage_owner[k]
+            else:
+                kind, pos, owner = "private", None, n.name
+                self.storage_owner.setdefault(k, n.name)
+            saved_storages.append(SavedStorage(kind, pos, nb, sid, owner))
+
+        mutated = []
+        for i, a in enumerate(op_inputs):
+            ts = _tensors(self.env[a])
+            if any(t._version != v for t, v in zip(ts, in_versions[i])):
+                mutated.append(i)
+
+        self.facts[n.name] = {
+            "inputs": [a.name for a in op_inputs],
+            "uses_model_input": any(a.op == "placeholder" for a in input_nodes),
+            "shapes": [tuple(int(s) for s in t.shape) for t in out_ts],
+            "dtypes": [str(t.dtype) for t in out_ts],
+            "is_tensor": bool(out_ts),
+            "output_bytes": int(sum(owned.values())),
+            "alias_of": alias_of,
+            "aliases_model_input": aliases_model_input,
+            "grad_bytes": int(sum(t.numel() * t.element_size() for t in out_ts if t.requires_grad)),
+            "requires_grad": any(t.requires_grad for t in out_ts),
+            "saved_bytes": int(sum(s.nbytes for s in saved_storages)),
+            "saved_storages": saved_storages,
+            "mutated_inputs": mutated,
+            "output_storage_ids": [self.storage_ids[k] for k in owned],
+        }
+        return result
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor or a tuple of tensors, not {type(example_inputs).__name__}"
+    )
+
+
+def _kind(n: fx.Node, gm: fx.GraphModule) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__.lower()
+    if n.op == "call_method":
+        return str(n.target).lower()
+    name = getattr(n.target, "__name__", None) or str(n.target)
+    return name.lower()
+
+
+def _target_str(n: fx.Node) -> str:
+    if n.op == "call_function":
+        try:
+            return _get_qualified_name(n.target)
+        except Exception:
+            return getattr(n.target, "__qualname__", str(n.target))
+    return str(n.target)
+
+
+def _params_of(n: fx.Node, gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    if n.op == "call_module":
+        mod = gm.get_submodule(n.target)
+        for pname, p in mod.named_parameters():
+            out.append((f"{n.target}.{pname}" if n.target else pname, p))
+    for a in _flatten((n.args, n.kwargs)):
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            try:
+                v = gm.get_parameter(a.target)
+            except AttributeError:
+                continue
+            out.append((str(a.target), v))
+    seen: set[int] = set()
+    uniq = []
+    for name, p in out:
+        if id(p) not in seen:
+            seen.add(id(p))
+            uniq.append((name, p))
+    return uniq
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, fx.Node):
+        return f"%{x.name}"
+    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(x)
+    if isinstance(x, slice):
+        return ["slice", _jsonable(x.start), _jsonable(x.stop), _jsonable(x.step)]
+    if isinstance(x, torch.Size):
+        return list(x)
+    if isinstance(x, torch.Tensor):
+        return ["tensor", list(x.shape), str(x.dtype)]
+    return type(x).__name__
+
+
+def _module_config(mod: nn.Module) -> Any:
+    """Hyper-parameters that change what a leaf computes (extra_repr is stable)."""
+    try:
+        return f"{type(mod).__name__}({mod.extra_repr()})"
+    except Exception:
+        return type(mod).__name__
+
+
+def _fingerprint(gm: fx.GraphModule, nodes: list[OpNode], inputs: tuple, training: bool) -> str:
+    items: list[Any] = [
+        "monet-opt graph v1",
+        {"training": training},
+        [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else _jsonable(t) for t in inputs],
+    ]
+    by_name = {n.name: n for n in nodes}
+    for fn in gm.graph.nodes:
+        entry: list[Any] = [fn.op, fn.name, _target_str(fn), _jsonable(fn.args), _jsonable(fn.kwargs)]
+        if fn.op == "call_module":
+            entry.append(_module_config(gm.get_submodule(fn.target)))
+            entry.append(
+                [[k, list(p.shape), str(p.dtype)] for k, p in gm.get_submodule(fn.target).named_parameters()]
+            )
+        if fn.name in by_name:
+            on = by_name[fn.name]
+            entry.append([list(s) for s in on.shapes])
+            entry.append(on.dtypes)
+        items.append(entry)
+    blob = json.dumps(items, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    leaf_fallback: bool = True,
+    check: bool = True,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> OpGraph:
+    """Trace `model` on `example_inputs` into an `OpGraph`.
+
+    leaf_modules: extra module paths ('encoder.layers.0') or classes kept as one node.
+    leaf_fallback: when a submodule cannot be traced, keep it as a leaf (with a
+        warning) instead of raising TraceError.
+    check: run the eager model too and raise TraceError if the traced graph's
+        output differs (same RNG state for both; buffers restored afterwards).
+
+    The model is run once (twice with `check`) in its current mode (train/eval);
+    its buffers and the global RNG state are left as they were.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trace() needs an nn.Module, not {type(model).__name__}")
+    inputs = _as_tuple(example_inputs)
+    leaf_paths = {m for m in leaf_modules if isinstance(m, str)}
+    leaf_types = KNOWN_LEAF_TYPES + tuple(m for m in leaf_modules if isinstance(m, type))
+
+    root = model
+    probe = _Tracer(set(), leaf_types)
+    if probe.is_leaf_module(model, ""):
+        root = _LeafRoot(model)  # a torch.nn module (or known-bad type) as root: one node
+    gm, auto_leaves = _symbolic_trace(root, len(inputs), leaf_paths, leaf_types, leaf_fallback)
+    gm.train(model.training)
+
+    call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    op_names = {n.name for n in call_nodes}
+
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    rng_devices = [device] if device.type == "cuda" else []
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    meter = _Measure(gm, op_names)
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            seed = int(torch.randint(0, 2**31 - 1, ()).item())
+            torch.manual_seed(seed)
+            try:
+                traced_out = meter.run(*inputs)
+            except Exception as exc:
+                node = meter.current_node
+                raise _run_error(exc, gm, node) from exc
+            if check:
+                _restore_buffers(model, buffers)
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    eager_out = model(*inputs)
+                _check_same(traced_out, eager_out, rtol, atol, type(model).__name__)
+    finally:
+        _restore_buffers(model, buffers)
+
+    facts = meter.facts
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    output_names = []
+    for a in _flatten(out_node.args):
+        if isinstance(a, fx.Node) and a.name in op_names and a.name not in output_names:
+            output_names.append(a.name)
+
+    nodes: list[OpNode] = []
+    for n in call_nodes:
+        f = facts[n.name]
+        params = _params_of(n, gm)
+        nodes.append(
+            OpNode(
+                name=n.name,
+                kind=_kind(n, gm),
+                op=n.op,
+                target=_target_str(n),
+                param_bytes=int(sum(p.numel() * p.element_size() for _, p in params)),
+                param_names=[k for k, _ in params],
+                param_grad_bytes=int(sum(p.numel() * p.element_size() for _, p in params if p.requires_grad)),
+                is_output=n.name in output_names,
+                **f,
+            )
+        )
+
+    g = nx.DiGraph()
+    for on in nodes:
+        g.add_node(on.name, kind=on.kind)
+    for on in nodes:
+        for pos, src in enumerate(on.inputs):
+            if g.has_edge(src, on.name):
+                g.edges[src, on.name]["positions"].append(pos)
+            else:
+                g.add_edge(src, on.name, positions=[pos])
+
+    model_input_bytes = 0
+    seen_inp: set[tuple[str, int]] = set()
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            k = _skey(t)
+            if k is not None and k not in seen_inp:
+                seen_inp.add(k)
+                model_input_bytes += _snbytes(t)
+
+    return OpGraph(
+        gm=gm,
+        nodes=nodes,
+        graph=g,
+        fingerprint=_fingerprint(gm, nodes, inputs, model.training),
+        input_shapes=[tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in inputs],
+        output_names=output_names,
+        input_dtypes=[str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs],
+        leaf_paths=sorted(leaf_paths | set(auto_leaves)),
+        model_input_bytes=model_input_bytes,
+    )
+
+
+def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, b in model.named_buffers():
+            if k in saved and b.shape == saved[k].shape:
+                b.copy_(saved[k])
+
+
+def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> TraceError:
+    if isinstance(exc, TraceError):
+        return exc
+    where = ""
+    path = None
+    if node is not None:
+        where = f" at node {node.name!r} ({node.op} {_target_str(node)})"
+        if node.op == "call_module":
+            path = str(node.target)
+    return TraceError(
+        f"running the traced graph on the example inputs failed{where}: {type(exc).__name__}: "
+        f"{_first_line(exc)}. The model's forward may depend on values torch.fx fixed at trace "
+        "time; make that module a leaf (leaf_modules=[...]).",
+        module_path=path,
+        node=node.name if node is not None else None,
+    )
+
+
+def _check_same(a: Any, b: Any, rtol: float, atol: float, model_name: str) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    if len(ta) != len(tb):
+        raise TraceError(
+            f"the traced {model_name} returns {len(ta)} tensors but the eager model returns {len(tb)}"
+        )
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if x.shape != y.shape or not torch.allclose(x.detach(), y.detach(), rtol=rtol, atol=atol):
+            diff = (
+                (x.detach().float() - y.detach().float()).abs().max().item() if x.shape == y.shape else None
+            )
+            raise TraceError(
+                f"the traced {model_name} differs from the eager model on output {i} "
+                f"(shapes {tuple(x.shape)} vs {tuple(y.shape)}, max abs diff {diff}). "
+                "Python control flow or state that fx fixed at trace time is the usual cause; "
+                "make the responsible module a leaf (leaf_modules=[...]) or pass check=False."
+            )
