@@ -1,0 +1,102 @@
+"""Measured peak memory and step time: wrapped model vs plain PyTorch, in one run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from monet_opt.memory import measure_peak
+from solver.schedule import Schedule
+
+MiB = 2**20
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A loss for any model output: mean of squares over every floating tensor."""
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.float().square().mean() for t in tensors)
+
+
+def training_step(model: nn.Module, inputs: tuple) -> None:
+    for p in model.parameters():
+        p.grad = None
+    loss_of(model(*inputs)).backward()
+
+
+def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, float]:
+    """(peak bytes above what was live before the step, median step seconds)."""
+    training_step(model, inputs)  # warm-up
+    peak = measure_peak(training_step, model, inputs).peak_bytes
+    times = []
+    for _ in range(steps):
+        if inputs and inputs[0].is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        training_step(model, inputs)
+        if inputs and inputs[0].is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    for p in model.parameters():
+        p.grad = None
+    return peak, statistics.median(times)
+
+
+@dataclass
+class BenchResult:
+    model: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    predicted_time_s: float
+    plain_peak_bytes: int
+    plain_step_s: float
+    wrapped_peak_bytes: int
+    wrapped_step_s: float
+
+    def table(self) -> str:
+        rows = [
+            ("plain PyTorch", self.plain_peak_bytes, self.plain_step_s, "-"),
+            ("monet-opt (measured)", self.wrapped_peak_bytes, self.wrapped_step_s,
+             f"{self.wrapped_peak_bytes / self.plain_peak_bytes:.2f}x mem, "
+             f"{self.wrapped_step_s / self.plain_step_s - 1:+.1%} time"),
+            ("monet-opt (predicted)", self.predicted_peak_bytes, self.predicted_time_s, ""),
+        ]
+        out = [f"{self.model}; budget {self.budget_bytes / MiB:.1f} MiB" if self.budget_bytes else self.model,
+               f"| {'run':<22} | {'peak MiB':>9} | {'step ms':>9} | vs plain |", "|---|---:|---:|---|"]
+        for name, peak, t, note in rows:
+            out.append(f"| {name:<22} | {peak / MiB:9.1f} | {t * 1e3:9.1f} | {note} |")
+        within = "within" if self.budget_bytes is None or self.wrapped_peak_bytes <= self.budget_bytes else "OVER"
+        out.append(f"measured peak is {within} the budget; measured/predicted = "
+                   f"{self.wrapped_peak_bytes / max(1, self.predicted_peak_bytes):.3f}")
+        return "\n".join(out)
+
+
+def bench_schedule(schedule: Schedule, steps: int = 3, device: str | None = None) -> BenchResult:
+    """Rebuild the schedule's model from its metadata and measure it against plain PyTorch."""
+    from monet_opt.zoo import ModelSpec
+
+    meta = schedule.meta
+    if "model" not in meta:
+        raise ValueError("this schedule does not record its model (meta.model); bench it from Python instead")
+    spec = ModelSpec(meta["model"], batch=int(meta["batch"]), image=int(meta.get("image", 224)),
+                     seq=int(meta.get("seq", 128)))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = spec.build().to(dev).train()
+    inputs = spec.example_inputs(dev)
+    return bench_model(model, inputs, schedule, steps, name=spec.describe())
+
+
+def bench_model(model: nn.Module, inputs: tuple, schedule: Schedule, steps: int = 3, name: str = "") -> BenchResult:
+    from monet_opt.runtime import MonetWrapper
+
+    plain_peak, plain_t = measure_step(model, inputs, steps)
+    wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
+    peak, t = measure_step(wrapped, inputs, steps)
+    return BenchResult(name, schedule.budget_bytes, schedule.predicted_peak_bytes, schedule.predicted_time_s,
+                       plain_peak, plain_t, peak, t)

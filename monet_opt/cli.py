@@ -1,0 +1,258 @@
+"""monet-opt command line: solve, sweep, inspect, bench, profile, trace."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import time
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.1f} MiB"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="torchvision model name (resnet50, vgg16, ...), 'gpt', or 'module.path:factory'")
+    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    p.add_argument("--image", type=int, default=224, help="image side for vision models (default 224)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length for token models (default 128)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--no-cache", action="store_true", help="profile again even if cached")
+
+
+def _spec(args):
+    from monet_opt.zoo import ModelSpec
+
+    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+
+
+def _device(args):
+    import torch
+
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _problem(args, quiet: bool = False):
+    from monet_opt.profile import build_problem
+
+    spec = _spec(args)
+    device = _device(args)
+    model = spec.build().to(device)
+    inputs = spec.example_inputs(device)
+    t0 = time.perf_counter()
+    problem = build_problem(
+        model, inputs, device=device, use_cache=not args.no_cache, progress=not quiet,
+        meta={"model": spec.name, "batch": spec.batch, "image": spec.image, "seq": spec.seq,
+              "model_summary": spec.describe()},
+    )
+    if not quiet:
+        print(f"profiled {len(problem.nodes)} nodes of {spec.describe()} in {time.perf_counter() - t0:.1f} s "
+              f"({problem.meta.get('profile_cache_hits', 0)} cached measurements)")
+    return spec, model, inputs, problem
+
+
+def _summary(problem, schedule) -> str:
+    import solver
+
+    sim = solver.simulate(problem, schedule)
+    plain = schedule.meta.get("no_recompute_peak_bytes")
+    base_time = sum(n.impls[0].fwd_time + n.impls[0].bwd_time for n in problem.nodes)
+    rec = schedule.recomputed()
+    changed = {n: i for n, i in schedule.impl_choice().items() if i != "default"}
+    gap = schedule.solver.gap
+    lines = [
+        f"strategy         {schedule.strategy} ({schedule.solver.name}, status {schedule.solver.status}, "
+        f"gap {'-' if gap is None else f'{gap:.2%}'}, {schedule.solver.solve_time_s:.1f} s)",
+        f"budget           {_mib(schedule.budget_bytes)}"
+        + (f" ({schedule.budget_bytes / plain:.0%} of plain PyTorch's {_mib(plain)})" if plain else ""),
+        f"predicted peak   {_mib(sim.peak_bytes)}",
+        f"predicted time   {sim.time_s * 1e3:.1f} ms per step (plain {base_time * 1e3:.1f} ms, "
+        f"overhead {sim.time_s / base_time - 1:+.1%})" if base_time else f"predicted time   {sim.time_s:.3f} s",
+        f"recomputed       {len(rec)} of {len(problem.nodes)} nodes"
+        + (f": {', '.join(list(rec)[:12])}{' ...' if len(rec) > 12 else ''}" if rec else ""),
+        f"implementations  {len(changed)} non-default"
+        + (f": {', '.join(f'{k}={v}' for k, v in list(changed.items())[:8])}{' ...' if len(changed) > 8 else ''}"
+           if changed else ""),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_solve(args) -> int:
+    from monet_opt.pipeline import parse_budget, solve_model
+
+    budget = parse_budget(args.budget)
+    spec, model, inputs, problem = _problem(args)
+    if args.problem_out:
+        problem.to_json(args.problem_out)
+    _, schedule = solve_model(model, inputs, budget, time_limit=args.time_limit, verbose=True, problem=problem)
+    print(_summary(problem, schedule))
+    if args.output:
+        schedule.to_json(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from monet_opt.pipeline import parse_budget, solve_model
+
+    budgets = [parse_budget(b) for b in args.budgets.split(",")]
+    spec, model, inputs, problem = _problem(args)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for b in budgets:
+        try:
+            _, schedule = solve_model(model, inputs, b, time_limit=args.time_limit, verbose=False, problem=problem)
+        except ValueError as exc:
+            print(f"budget {b}: {exc}")
+            rows.append({"budget": b, "status": "infeasible", "predicted_peak_mib": "", "predicted_time_ms": "",
+                         "recomputed": "", "gap": "", "file": ""})
+            continue
+        name = out / f"{spec.name}_b{spec.batch}_{b}.json"
+        schedule.to_json(name)
+        rows.append({
+            "budget": b, "status": schedule.solver.status,
+            "predicted_peak_mib": round(schedule.predicted_peak_bytes / MiB, 2),
+            "predicted_time_ms": round(schedule.predicted_time_s * 1e3, 2),
+            "recomputed": len(schedule.recomputed()),
+            "gap": "" if schedule.solver.gap is None else round(schedule.solver.gap, 4),
+            "file": str(name),
+        })
+        print(f"budget {b}: peak {rows[-1]['predicted_peak_mib']} MiB, time {rows[-1]['predicted_time_ms']} ms, "
+              f"{schedule.solver.status} -> {name}")
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {out / 'summary.csv'}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from solver.schedule import Schedule
+
+    s = Schedule.from_json(args.file)
+    m = s.meta
+    print(f"schedule {args.file}")
+    print(f"  model        {m.get('model_summary', m.get('model', '?'))}")
+    print(f"  made on      {m.get('device', '?')}, torch {m.get('torch', '?')}, {m.get('date', '?')}")
+    print(f"  strategy     {s.strategy} ({s.solver.name}, {s.solver.status}, gap "
+          f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}, {s.solver.solve_time_s:.1f} s)")
+    print(f"  budget       {_mib(s.budget_bytes)}; predicted peak {_mib(s.predicted_peak_bytes)}, "
+          f"time {s.predicted_time_s * 1e3:.1f} ms")
+    if "measured_peak_bytes" in m:
+        print(f"  measured     peak {_mib(m['measured_peak_bytes'])}, step {m.get('measured_step_s', 0) * 1e3:.1f} ms "
+              f"(plain: {_mib(m.get('plain_peak_bytes'))}, {m.get('plain_step_s', 0) * 1e3:.1f} ms)")
+    impls = {k: v for k, v in s.impl_choice().items() if v != "default"}
+    print(f"  implementations (non-default): {len(impls)}")
+    for k, v in impls.items():
+        print(f"    {k:<32} {v}")
+    print(f"  {'stage':<36} {'recomputes':>10}  nodes")
+    for st in s.stages:
+        comp = [x.node for x in st.steps if x.op == "compute"]
+        if st.name == "forward":
+            print(f"  {st.name:<36} {'':>10}  {len(comp)} computed")
+        elif comp:
+            print(f"  {st.name:<36} {len(comp):>10}  {', '.join(comp[:6])}{' ...' if len(comp) > 6 else ''}")
+    rec = s.recomputed()
+    print(f"  {len(rec)} nodes recomputed, {sum(rec.values())} recompute steps in all")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from monet_opt.bench import bench_schedule
+    from solver.schedule import Schedule
+
+    s = Schedule.from_json(args.file)
+    res = bench_schedule(s, steps=args.steps)
+    print(res.table())
+    return 0
+
+
+def cmd_profile(args) -> int:
+    spec, model, inputs, problem = _problem(args)
+    print(f"{'node':<28} {'op':<22} {'out':>9} {'impl':<18} {'fwd ms':>8} {'bwd ms':>8} {'keeps':<14} {'state':>9}")
+    for n in problem.nodes:
+        for k, impl in enumerate(n.impls):
+            keeps = ",".join([f"in{p}" for p in impl.keeps_inputs] + (["out"] if impl.keeps_output else []))
+            print(f"{n.name if k == 0 else '':<28} {n.op if k == 0 else '':<22} "
+                  f"{_mib(n.output_bytes) if k == 0 else '':>9} {impl.name:<18} {impl.fwd_time * 1e3:8.3f} "
+                  f"{impl.bwd_time * 1e3:8.3f} {keeps:<14} {_mib(impl.state_bytes):>9}")
+    if args.output:
+        problem.to_json(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from monet_opt.graph import trace
+
+    spec = _spec(args)
+    model = spec.build()
+    graph = trace(model, spec.example_inputs())
+    print(f"{spec.describe()}: {len(graph.nodes)} nodes, fingerprint {graph.fingerprint[:16]}")
+    for n in graph.nodes:
+        shape = n.shapes[0] if n.shapes else "-"
+        print(f"  {n.name:<32} {n.kind:<24} {str(shape):<24} {_mib(n.output_bytes):>10}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="monet-opt",
+        description="Fit a PyTorch training step into a memory budget: profile, solve, inspect, benchmark.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("solve", help="profile a model and solve a schedule for a memory budget")
+    _model_args(p)
+    p.add_argument("--budget", required=True, help="fraction of plain PyTorch's peak (0.5) or a size (800MB, 2GiB)")
+    p.add_argument("-o", "--output", help="write the schedule JSON here")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
+    p.add_argument("--problem-out", help="also write the profiled problem JSON here")
+    p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("sweep", help="solve for several budgets; write schedules and summary.csv")
+    _model_args(p)
+    p.add_argument("--budgets", default="1.0,0.75,0.5,0.33,0.25")
+    p.add_argument("-o", "--output", required=True, help="output folder")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("inspect", help="print a schedule as a table")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("bench", help="run a schedule and plain PyTorch side by side: measured peak and step time")
+    p.add_argument("file")
+    p.add_argument("--steps", type=int, default=3)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("profile", help="profile a model: per-node table of implementations and costs")
+    _model_args(p)
+    p.add_argument("-o", "--output", help="write the problem JSON here")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("trace", help="trace a model and print its operator graph")
+    _model_args(p)
+    p.set_defaults(func=cmd_trace)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as exc:
+        print(f"monet-opt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The implementation interface every op family follows.
+
+An `Implementation` runs one fx node. It receives the node's resolved target
+(the `nn.Module` for call_module, the function for call_function, the method
+name for call_method), the node's evaluated args and kwargs, and `recompute`:
+True when the runtime runs the node again during backward (batch norm must then
+not update its running statistics a second time).
+
+What an implementation's backward keeps is not declared by hand: the profiler
+measures it (saved-tensor hooks) and writes it into the solver problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    run: Callable[[Any, tuple, dict, bool], Any]
+    description: str = ""
+
+
+def call_target(target: Any, args: tuple, kwargs: dict) -> Any:
+    """Call a node's target the way fx would (method names are called on args[0])."""
+    if isinstance(target, str):
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    return target(*args, **kwargs)
+
+
+DEFAULT = Implementation("default", lambda target, args, kwargs, recompute: call_target(target, args, kwargs),
+                         "the op as the model wrote it")

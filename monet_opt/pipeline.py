@@ -1,0 +1,76 @@
+"""Model in, schedule out: trace, profile, solve, with the metadata tools read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+import solver
+from monet_opt.profile import build_problem
+from solver.problem import Problem
+from solver.schedule import Schedule
+
+
+def no_recompute_peak(problem: Problem) -> int:
+    """Simulated peak of plain PyTorch (keep everything) for this problem."""
+    from solver.baselines import no_recompute
+
+    return solver.simulate(problem, no_recompute(problem)).peak_bytes
+
+
+def parse_budget(text: str | float | int) -> float | int:
+    """'0.5' -> fraction 0.5; '2GiB', '800MB', '123456' -> bytes."""
+    if isinstance(text, (int, float)):
+        return text
+    t = text.strip().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = t.upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit):
+            number = upper[: -len(unit)]
+            try:
+                return int(float(number) * scale)
+            except ValueError:
+                break
+    else:
+        try:
+            value = float(t)
+        except ValueError:
+            value = None
+        if value is not None:
+            if 0 < value <= 1:
+                return value
+            if value > 1 and value == int(value):
+                return int(value)
+    raise ValueError(
+        f"bad budget {text!r}: give a fraction of the plain-PyTorch peak in (0, 1] (e.g. 0.5) "
+        "or a size such as 800MB, 2GiB or a number of bytes"
+    )
+
+
+def solve_model(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: float | int | str,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    problem: Problem | None = None,
+    meta: dict | None = None,
+) -> tuple[Problem, Schedule]:
+    """Profile `model` on this device (cached) and solve for `budget`."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    problem = problem or build_problem(model, example_inputs, progress=verbose, meta=meta)
+    budget = parse_budget(budget)
+    plain = no_recompute_peak(problem)
+    schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
+    info = dict(problem.meta)
+    info.update(schedule.meta)
+    info.update(
+        no_recompute_peak_bytes=plain,
+        budget_fraction=round(schedule.budget_bytes / plain, 4) if schedule.budget_bytes else None,
+    )
+    return problem, dataclasses.replace(schedule, meta=info)

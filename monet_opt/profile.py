@@ -1,0 +1,508 @@
+"""Measure every implementation of every node on this device, and build a solver Problem.
+
+For each node and each of its implementations we run the node alone, on the
+values it sees in a real forward pass, the way the runtime runs it (inputs
+detached, its own local autograd graph), and measure:
+
+* forward and backward time: median of `repeats` runs after a warm-up;
+* what its backward keeps: saved-tensor hooks classify each saved storage as
+  one of the node's inputs, its output, or private state (bytes);
+* forward / backward workspace: `measure_peak` of one call, minus what the call
+  leaves behind (output, private state; input and parameter gradients).
+
+Results are cached on disk by device, torch version, op signature and shapes
+(`~/.cache/monet-opt/`, or `$MONET_OPT_CACHE`), so a second run is near-instant.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from monet_opt.graph import OpGraph, trace
+from monet_opt.memory import measure_peak
+from monet_opt.ops import implementations_for
+from monet_opt.ops.base import Implementation
+from monet_opt.runtime.executor import _fetch_attr, _resolve_target
+from solver.jsonio import atomic_write_text
+from solver.problem import Impl, Node, Problem
+
+CACHE_VERSION = 1
+
+
+# -- device identity and cache -------------------------------------------------------
+def device_fingerprint(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        name = f"{name} x{torch.get_num_threads()} threads"
+    return f"{device.type}: {name}; torch {torch.__version__}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MONET_OPT_CACHE", Path.home() / ".cache" / "monet-opt"))
+
+
+class ProfileCache:
+    """Measurements of (op signature, implementation) on one device, one JSON file."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.device_key = device_fingerprint(device)
+        digest = hashlib.sha256(self.device_key.encode()).hexdigest()[:16]
+        self.path = cache_dir() / f"profile-{digest}.json"
+        self.enabled = enabled
+        self.entries: dict[str, dict] = {}
+        self.dirty = False
+        if enabled and self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("version") == CACHE_VERSION and data.get("device") == self.device_key:
+                    self.entries = data.get("entries", {})
+            except (OSError, ValueError):
+                self.entries = {}  # a corrupt cache is rebuilt, never trusted
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key) if self.enabled else None
+
+    def put(self, key: str, value: dict) -> None:
+        self.entries[key] = value
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.enabled and self.dirty:
+            payload = {"version": CACHE_VERSION, "device": self.device_key, "entries": self.entries}
+            atomic_write_text(self.path, json.dumps(payload))
+            self.dirty = False
+
+
+# -- measuring one node ----------------------------------------------------------------
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ["T", list(value.shape), str(value.dtype), bool(value.requires_grad)]
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _describe(v) for k, v in sorted(value.items())}
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    return type(value).__name__
+
+
+def _signature(node: fx.Node, target: Any, args: tuple, kwargs: dict, impl: str) -> str:
+    if isinstance(target, torch.nn.Module):
+        what = f"{type(target).__module__}.{type(target).__name__}({target.extra_repr()}) train={target.training}"
+    else:
+        what = f"{node.op}:{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
+    text = json.dumps([what, _describe(args), _describe(kwargs), impl], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Root(torch.autograd.Function):
+    """As in the runtime: a stand-in output so backward can be fed a gradient."""
+
+    @staticmethod
+    def forward(ctx, grads: list, *outs):
+        ctx.grads = grads
+        return outs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        return (None, *ctx.grads)
+
+
+def measure_node(
+    node: fx.Node,
+    target: Any,
+    impl: Implementation,
+    args: tuple,
+    kwargs: dict,
+    grad_positions: list[int],
+    params: list[torch.Tensor],
+    device: torch.device,
+    repeats: int = 3,
+) -> dict:
+    """Time and memory of one implementation of one node, run as the runtime runs it."""
+    needs_grad = bool(grad_positions) or any(p.requires_grad for p in params)
+
+    def make_inputs():
+        leaves = []
+
+        def prep(pos_value):
+            pos, value = pos_value
+            if isinstance(value, torch.Tensor) and pos in grad_positions:
+                leaf = value.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf
+            return value
+
+        flat, spec = tree_flatten((args, kwargs))
+        a, k = torch.utils._pytree.tree_unflatten([prep(x) for x in enumerate(flat)], spec)
+        return a, k, leaves
+
+    def run(a, k):
+        with torch.enable_grad() if needs_grad else torch.no_grad():
+            return impl.run(target, a, k, True)
+
+    # forward: warm-up, time, then memory and what is saved
+    a, k, _ = make_inputs()
+    run(a, k)
+    times = []
+    for _ in range(repeats):
+        a, k, _ = make_inputs()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = run(a, k)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        del out
+    fwd_time = statistics.median(times)
+
+    a, k, leaves = make_inputs()
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    def call():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return run(a, k)
+
+    measured = measure_peak(call)
+    out = measured.result
+    flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    input_flat = [v for v in tree_flatten((a, k))[0]]
+    input_ptrs: dict[int, list[int]] = {}
+    for pos, v in enumerate(input_flat):
+        if isinstance(v, torch.Tensor):
+            input_ptrs.setdefault(_storage_key(v), []).append(pos)
+    out_ptrs = {_storage_key(t) for t in flat_out}
+    param_ptrs = {_storage_key(p) for p in params}
+    kept_input_flat: set[int] = set()
+    keeps_output = False
+    private: dict[int, int] = {}
+    for t in saved:
+        key = _storage_key(t)
+        if key in param_ptrs:
+            continue
+        if key in input_ptrs:
+            kept_input_flat.update(input_ptrs[key])
+        elif key in out_ptrs:
+            keeps_output = True
+        else:
+            private[key] = _storage_bytes(t)
+    state_bytes = sum(private.values()) if needs_grad else 0
+    out_owned = sum(_storage_bytes(t) for t in {_storage_key(t): t for t in flat_out}.values()
+                    if _storage_key(t) not in input_ptrs)
+    fwd_workspace = max(0, measured.peak_bytes - out_owned - state_bytes)
+    saved.clear()
+
+    bwd_time = 0.0
+    bwd_workspace = 0
+    if needs_grad:
+        grad_outs = [t for t in flat_out if t.requires_grad]
+        if grad_outs:
+            old_grads = [p.grad for p in params]
+            grads = [torch.ones_like(t) for t in grad_outs]
+            btimes = []
+            for i in range(repeats + 1):
+                a, k, leaves = make_inputs()
+                o = [t for t in tree_flatten(run(a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                root = _Root.apply(grads, *o)
+                del o
+                for p in params:
+                    p.grad = None
+                if i < repeats:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    torch.autograd.backward(root, torch.empty(0, device=root.device))
+                    _sync(device)
+                    btimes.append(time.perf_counter() - t0)
+                else:
+                    m = measure_peak(lambda r=root: torch.autograd.backward(r, torch.empty(0, device=r.device)))
+                    in_grads = sum(_storage_bytes(x.grad) for x in leaves if x.grad is not None)
+                    p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
+                    bwd_workspace = max(0, m.peak_bytes - in_grads - p_grads)
+                del root
+            bwd_time = statistics.median(btimes)
+            for p, g in zip(params, old_grads):
+                p.grad = g
+    return {
+        "fwd_time": fwd_time,
+        "bwd_time": bwd_time,
+        "fwd_workspace": int(fwd_workspace),
+        "bwd_workspace": int(bwd_workspace),
+        "kept_input_flat": sorted(kept_input_flat),
+        "keeps_output": keeps_output,
+        "state_bytes": int(state_bytes),
+    }
+
+
+# -- the whole model -----------------------------------------------------------------
+def _node_params(gm: fx.GraphModule, node: fx.Node, target: Any) -> list[tuple[str, torch.Tensor]]:
+    params: list[tuple[str, torch.Tensor]] = []
+    if isinstance(target, torch.nn.Module):
+        params += [(f"{node.target}.{n}", p) for n, p in target.named_parameters()]
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = _fetch_attr(gm, arg.target)
+            if isinstance(value, torch.nn.Parameter):
+                params.append((arg.target, value))
+    return params
+
+
+def _flat_input_sources(node: fx.Node) -> list[fx.Node | None]:
+    """For each flat leaf of (args, kwargs), the fx node it came from (None for constants)."""
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [x if isinstance(x, fx.Node) else None for x in flat]
+
+
+def build_problem(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+    use_cache: bool = True,
+    progress: bool = True,
+    graph: OpGraph | None = None,
+    meta: dict | None = None,
+) -> Problem:
+    """Trace `model`, measure every implementation of every node here, return a solver Problem."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    if device is None:
+        device = next((p.device for p in model.parameters()), example_inputs[0].device)
+    device = torch.device(device)
+    model = model.to(device)
+    example_inputs = tuple(x.to(device) for x in example_inputs)
+    was_training = model.training
+    model.train()
+    graph = graph or trace(model, example_inputs)
+    gm = graph.gm
+    cache = ProfileCache(device, enabled=use_cache)
+
+    env: dict[str, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for p, x in zip(placeholders, example_inputs):
+        env[p.name] = x
+    op_names = {n.name for n in graph.nodes}
+    fx_nodes = [n for n in gm.graph.nodes if n.name in op_names]
+    output_refs = {n.name for n in tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
+                   if isinstance(n, fx.Node)}
+    remaining_users = {n.name: len(n.users) for n in gm.graph.nodes}
+    bar = _progress(len(fx_nodes), progress, "profiling")
+    started = time.perf_counter()
+    hits = 0
+    requires_grad: set[str] = set()
+    param_owner: dict[int, str] = {}
+    param_bytes: dict[int, int] = {}
+    rows: list[dict] = []
+    for fx_node in fx_nodes:
+        target = _resolve_target(gm, fx_node)
+        impls = implementations_for(fx_node.op, target)
+
+        def load(n: fx.Node) -> Any:
+            return _fetch_attr(gm, n.target) if n.op == "get_attr" else env[n.name]
+
+        args = fx.node.map_arg(fx_node.args, load)
+        kwargs = fx.node.map_arg(fx_node.kwargs, load)
+        sources, positions, inputs = _arg_layout(fx_node, args, kwargs, op_names)
+        flat_vals = tree_flatten((args, kwargs))[0]
+        grad_positions = [
+            pos
+            for pos, (src, val) in enumerate(zip(sources, flat_vals))
+            if src is not None
+            and isinstance(val, torch.Tensor)
+            and (val.is_floating_point() or val.is_complex())
+            and ((src.op == "placeholder" and val.requires_grad) or src.name in requires_grad)
+        ]
+        params = [p for _, p in _node_params(gm, fx_node, target) if p.requires_grad]
+        with torch.no_grad():
+            out = impls[0].run(target, args, kwargs, True)
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        is_tensor = bool(flat_out)
+        float_out = any(t.is_floating_point() or t.is_complex() for t in flat_out)
+        if float_out and (grad_positions or params):
+            requires_grad.add(fx_node.name)
+        for p in params:
+            param_owner[id(p)] = fx_node.name  # the last user in topo order runs backward first
+            param_bytes[id(p)] = p.numel() * p.element_size()
+        in_ptrs = {}
+        for pos, val in enumerate(flat_vals):
+            if isinstance(val, torch.Tensor):
+                in_ptrs.setdefault(_storage_key(val), positions[pos])
+        alias_of = None
+        owned: dict[int, int] = {}
+        for t in flat_out:
+            key = _storage_key(t)
+            if key in in_ptrs:
+                if in_ptrs[key] is not None and alias_of is None:
+                    alias_of = in_ptrs[key]
+            else:
+                owned[key] = _storage_bytes(t)
+        impl_rows = []
+        for impl in impls:
+            if not is_tensor:
+                impl_rows.append(Impl(impl.name, 0.0, 0.0))
+                continue
+            key = _signature(fx_node, target, args, kwargs, impl.name) + f":{grad_positions}"
+            entry = cache.get(key)
+            if entry is None:
+                entry = measure_node(fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats)
+                cache.put(key, entry)
+            else:
+                hits += 1
+            kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
+            impl_rows.append(
+                Impl(
+                    name=impl.name,
+                    fwd_time=entry["fwd_time"],
+                    bwd_time=entry["bwd_time"] if fx_node.name in requires_grad else 0.0,
+                    fwd_workspace=entry["fwd_workspace"],
+                    bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
+                    keeps_inputs=tuple(kept),
+                    keeps_output=entry["keeps_output"],
+                    state_bytes=entry["state_bytes"],
+                )
+            )
+        rows.append(
+            {
+                "name": fx_node.name,
+                "op": getattr(_op_node(graph, fx_node.name), "kind", fx_node.op),
+                "inputs": tuple(inputs),
+                "output_bytes": 0 if alias_of is not None else sum(owned.values()),
+                "impls": tuple(impl_rows),
+                "grad_bytes": sum(t.numel() * t.element_size() for t in flat_out
+                                  if t.is_floating_point() or t.is_complex())
+                if fx_node.name in requires_grad else 0,
+                "alias_of": alias_of,
+                "is_output": fx_node.name in output_refs,
+            }
+        )
+        env[fx_node.name] = out
+        for arg in fx_node.all_input_nodes:
+            remaining_users[arg.name] -= 1
+            if remaining_users[arg.name] == 0 and arg.op != "placeholder":
+                env.pop(arg.name, None)
+        bar.update(1)
+    bar.close()
+    cache.save()
+    env.clear()
+    model.train(was_training)
+
+    # a node runs backward if it needs a gradient and its output reaches a model output
+    reaches = set(output_refs)
+    for row in reversed(rows):
+        if row["name"] in reaches:
+            reaches.update(row["inputs"])
+    owner_bytes: dict[str, int] = {}
+    for pid, owner in param_owner.items():
+        owner_bytes[owner] = owner_bytes.get(owner, 0) + param_bytes[pid]
+    nodes = []
+    for row in rows:
+        backward = row["name"] in requires_grad and row["name"] in reaches
+        nodes.append(
+            Node(
+                **row,
+                requires_backward=backward,
+                param_grad_bytes=owner_bytes.get(row["name"], 0) if backward else 0,
+            )
+        )
+    info = {
+        "device": cache.device_key,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "input_shapes": [list(x.shape) for x in example_inputs],
+        "profile_seconds": round(time.perf_counter() - started, 2),
+        "profile_cache_hits": hits,
+    }
+    info.update(meta or {})
+    return Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, meta=info)
+
+
+def _op_node(graph: OpGraph, name: str):
+    return next((n for n in graph.nodes if n.name == name), None)
+
+
+def _arg_layout(fx_node: fx.Node, args: tuple, kwargs: dict, problem_names: set[str]):
+    """Per flat value leaf of (args, kwargs): its source fx node and its position in the
+    problem node's `inputs`; and those inputs (problem nodes, in argument order, repeats kept)."""
+    struct_leaves = tree_flatten((fx_node.args, fx_node.kwargs))[0]
+    values = _leaf_values((fx_node.args, fx_node.kwargs), (args, kwargs))
+    sources: list[fx.Node | None] = []
+    positions: list[int | None] = []
+    inputs: list[str] = []
+    for item, value in zip(struct_leaves, values):
+        is_node = isinstance(item, fx.Node)
+        count = len(tree_flatten(value)[0]) if is_node else 1
+        pos = None
+        if is_node and item.name in problem_names:
+            pos = len(inputs)
+            inputs.append(item.name)
+        sources += [item if is_node else None] * count
+        positions += [pos] * count
+    return sources, positions, inputs
+
+
+def _leaf_values(structure: Any, values: Any) -> list:
+    """Pair each flat leaf of an fx argument structure with its (possibly nested) value."""
+    if isinstance(structure, (list, tuple)) and not isinstance(structure, fx.Node):
+        out = []
+        for s, v in zip(structure, values):
+            out.extend(_leaf_values(s, v))
+        return out
+    if isinstance(structure, dict):
+        out = []
+        for key in structure:
+            out.extend(_leaf_values(structure[key], values[key]))
+        return out
+    return [values]
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="node", leave=False)

@@ -1,0 +1,327 @@
+"""Execute a schedule's steps on an fx graph: forward, recompute, backward, free.
+
+The executor follows `solver.simulate`'s memory model step by step:
+
+* a value handle is the detached output of a node (`env[name]`); dropping it
+  (`free_value`) releases the storage unless a backward state still holds it;
+* `compute ... grad=True` runs the node on detached copies of its inputs, so its
+  autograd graph is local: the graph's saved tensors are the node's backward
+  state. A small `_Root` function stands in for the output, so holding the state
+  does not hold the output's storage (only what the op itself saved);
+* `backward t` feeds t's gradient into its local graph: input gradients come back
+  on the detached leaves and are added into the producers' gradients; parameter
+  gradients accumulate into `.grad` as in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from monet_opt.ops import implementations_for
+from monet_opt.ops.base import Implementation
+from solver.schedule import Schedule
+
+RANDOM_KINDS = ("dropout", "rand", "bernoulli", "multinomial", "normal_")
+
+
+class ScheduleRuntimeError(RuntimeError):
+    """The schedule does not fit the model it is run on."""
+
+
+class _GradBox:
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor | None] | None = None
+
+
+class _Root(torch.autograd.Function):
+    """Stand-in output of a node's local graph: holds no storage of the outputs."""
+
+    @staticmethod
+    def forward(ctx, box: _GradBox, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return outs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grads = ctx.box.grads
+        ctx.box.grads = None
+        return (None, *grads)
+
+
+@dataclass
+class _State:
+    root: torch.Tensor
+    box: _GradBox
+    grad_positions: list[int]  # flat output positions that require grad
+    leaves: list[tuple[str, int, torch.Tensor]]  # (source node, flat position in source, leaf)
+
+
+@dataclass
+class _Plan:
+    node: fx.Node
+    target: Any
+    impls: dict[str, Implementation]
+    random: bool
+
+
+@dataclass
+class _StepRun:
+    env: dict[str, Any] = field(default_factory=dict)
+    states: dict[str, _State] = field(default_factory=dict)
+    grads: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+    rng: dict[str, tuple] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    flat_len: dict[str, int] = field(default_factory=dict)
+    output_map: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _is_random(node: fx.Node, target: Any) -> bool:
+    name = type(target).__name__.lower() if isinstance(target, torch.nn.Module) else str(
+        getattr(target, "__name__", target)
+    ).lower()
+    return any(k in name for k in RANDOM_KINDS)
+
+
+def _resolve_target(gm: fx.GraphModule, node: fx.Node) -> Any:
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)
+    return node.target
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class ScheduleExecutor:
+    """Runs one training step of `gm` as `schedule` says."""
+
+    def __init__(self, gm: fx.GraphModule, schedule: Schedule) -> None:
+        self.gm = gm
+        self.schedule = schedule
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self.plans: dict[str, _Plan] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("call_module", "call_function", "call_method"):
+                target = _resolve_target(gm, node)
+                impls = {i.name: i for i in implementations_for(node.op, target)}
+                self.plans[node.name] = _Plan(node, target, impls, _is_random(node, target))
+        self._check_schedule()
+        # nodes with a backward stage: their outputs need gradients
+        self.has_backward = {
+            step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
+        }
+
+    def _check_schedule(self) -> None:
+        for stage in self.schedule.stages:
+            for step in stage.steps:
+                plan = self.plans.get(step.node)
+                if plan is None:
+                    raise ScheduleRuntimeError(
+                        f"schedule stage {stage.name!r} names node {step.node!r}, which this model does not have"
+                    )
+                if step.op == "compute" and step.impl not in plan.impls:
+                    raise ScheduleRuntimeError(
+                        f"schedule asks node {step.node!r} to run implementation {step.impl!r}, "
+                        f"not available here (available: {', '.join(plan.impls)})"
+                    )
+
+    # -- argument resolution -----------------------------------------------------
+    def _value_of(self, run: _StepRun, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return run.inputs[node.name]
+        if node.op == "get_attr":
+            return _fetch_attr(self.gm, node.target)
+        try:
+            return run.env[node.name]
+        except KeyError:
+            raise ScheduleRuntimeError(
+                f"node {node.name!r} is needed but its value is not held (the schedule freed it)"
+            ) from None
+
+    def _args(self, run: _StepRun, node: fx.Node, grad: bool):
+        leaves: list[tuple[str, int, torch.Tensor]] = []
+
+        def load(arg: fx.Node) -> Any:
+            value = self._value_of(run, arg)
+            if not grad or arg.op == "get_attr":
+                return value
+            flat, spec = tree_flatten(value)
+            out = []
+            for pos, t in enumerate(flat):
+                if isinstance(t, torch.Tensor) and (t.requires_grad or self._wants_grad(run, arg)):
+                    leaf = t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                    if leaf.requires_grad:
+                        leaves.append((arg.name, pos, leaf))
+                    out.append(leaf)
+                else:
+                    out.append(t)
+            return tree_unflatten(out, spec)
+
+        args = fx.node.map_arg(node.args, load)
+        kwargs = fx.node.map_arg(node.kwargs, load)
+        return args, kwargs, leaves
+
+    def _wants_grad(self, run: _StepRun, arg: fx.Node) -> bool:
+        if arg.op == "placeholder":
+            return bool(getattr(run.inputs[arg.name], "requires_grad", False))
+        return arg.name in self.has_backward
+
+    # -- steps ---------------------------------------------------------------------
+    def compute(self, run: _StepRun, name: str, impl_name: str, grad: bool, recompute: bool) -> None:
+        plan = self.plans[name]
+        impl = plan.impls[impl_name]
+        args, kwargs, leaves = self._args(run, plan.node, grad)
+        rng_ctx = None
+        if plan.random:
+            if recompute:
+                rng_ctx = _RestoreRng(run.rng[name])
+            else:
+                run.rng[name] = _save_rng()
+        with torch.enable_grad() if grad else torch.no_grad():
+            if rng_ctx is not None:
+                with rng_ctx:
+                    out = impl.run(plan.target, args, kwargs, recompute)
+            else:
+                out = impl.run(plan.target, args, kwargs, recompute)
+        flat, spec = tree_flatten(out)
+        if grad:
+            positions = [
+                i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if positions:
+                box = _GradBox()
+                root = _Root.apply(box, *[flat[i] for i in positions])
+                run.states[name] = _State(root, box, positions, leaves)
+        run.flat_len[name] = len(flat)
+        run.env[name] = tree_unflatten(
+            [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
+        )
+
+    def backward(self, run: _StepRun, name: str) -> None:
+        state = run.states.pop(name, None)
+        grads = run.grads.pop(name, None)
+        if state is None:
+            if grads is not None and any(g is not None for g in grads):
+                raise ScheduleRuntimeError(f"backward of {name!r}: its backward state is not held")
+            return
+        if grads is None or all(grads[p] is None for p in state.grad_positions):
+            return
+        state.box.grads = [grads[p] for p in state.grad_positions]
+        del grads
+        torch.autograd.backward(state.root, torch.empty(0, device=state.root.device))
+        for source, pos, leaf in state.leaves:
+            g = leaf.grad
+            if g is None:
+                continue
+            leaf.grad = None
+            if source in run.inputs:
+                prev = run.input_grads.get(source)
+                run.input_grads[source] = g if prev is None else self._add(run, prev, g)
+                continue
+            slots = run.grads.get(source)
+            if slots is None:
+                slots = [None] * run.flat_len[source]
+                run.grads[source] = slots
+            slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g)
+
+    def _add(self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """prev + g, in place unless prev's storage is shared (autograd may hand the same
+        gradient tensor to several leaves, or steal it into a parameter's .grad)."""
+        key = prev.untyped_storage().data_ptr()
+        holders = sum(
+            1
+            for slots in run.grads.values()
+            for t in slots
+            if t is not None and t.untyped_storage().data_ptr() == key
+        )
+        holders += sum(1 for t in run.input_grads.values() if t.untyped_storage().data_ptr() == key)
+        shared = holders > 1 or key in self._param_grad_ptrs() or g.untyped_storage().data_ptr() == key
+        return prev + g if shared else prev.add_(g)
+
+    def _param_grad_ptrs(self) -> set[int]:
+        return {p.grad.untyped_storage().data_ptr() for p in self.gm.parameters() if p.grad is not None}
+
+    # -- whole step ----------------------------------------------------------------
+    def run_forward(self, inputs: tuple) -> tuple[_StepRun, list[torch.Tensor], Any]:
+        if len(inputs) != len(self.placeholders):
+            raise ScheduleRuntimeError(
+                f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}"
+            )
+        run = _StepRun(inputs={p.name: x for p, x in zip(self.placeholders, inputs)})
+        self._run_stage(run, self.schedule.stages[0], recompute=False)
+        outputs = fx.node.map_arg(self.output_node.args[0], lambda n: self._value_of(run, n))
+        flat, spec = tree_flatten(outputs)
+        node_leaves, _ = tree_flatten(self.output_node.args[0])
+        for leaf in node_leaves:
+            if isinstance(leaf, fx.Node):
+                n = len(tree_flatten(self._value_of(run, leaf))[0])
+                run.output_map.extend((leaf.name, pos) for pos in range(n))
+            else:
+                run.output_map.append(("", 0))
+        return run, flat, spec
+
+    def run_backward(self, run: _StepRun, output_grads: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        for (src, pos), g in zip(run.output_map, output_grads):
+            if g is None or src not in self.plans:
+                continue
+            slots = run.grads.setdefault(src, [None] * run.flat_len[src])
+            slots[pos] = g if slots[pos] is None else slots[pos] + g
+        for stage in self.schedule.stages[1:]:
+            self._run_stage(run, stage, recompute=True)
+        input_grads = run.input_grads
+        run.env.clear()
+        run.states.clear()
+        run.grads.clear()
+        return input_grads
+
+    def _run_stage(self, run: _StepRun, stage, recompute: bool) -> None:
+        for step in stage.steps:
+            if step.op == "compute":
+                self.compute(run, step.node, step.impl, step.grad, recompute)
+            elif step.op == "backward":
+                self.backward(run, step.node)
+            elif step.op == "free_value":
+                run.env.pop(step.node, None)
+            elif step.op == "free_state":
+                run.states.pop(step.node, None)
+            else:
+                raise ScheduleRuntimeError(f"stage {stage.name!r}: unknown step op {step.op!r}")
+
+
+def _save_rng() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+class _RestoreRng:
+    """Replays the RNG state a random node saw in the forward, then restores the current one."""
+
+    def __init__(self, saved: tuple) -> None:
+        self.saved = saved
+
+    def __enter__(self) -> None:
+        self.prev = _save_rng()
+        cpu, cuda = self.saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def __exit__(self, *exc) -> None:
+        cpu, cuda = self.prev
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def detach_tree(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)

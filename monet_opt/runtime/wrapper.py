@@ -1,0 +1,125 @@
+"""MonetWrapper: an nn.Module that trains like the model, following a schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_unflatten
+
+from monet_opt.runtime.executor import ScheduleExecutor
+from solver.schedule import Schedule
+
+
+class InputShapeMismatch(ValueError):
+    """The input's shape differs from the one the schedule was solved for."""
+
+
+class _SpecBox:
+    spec: Any = None
+
+
+class _ScheduledStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, executor: ScheduleExecutor, box: _SpecBox, autocast: tuple, _anchor, *inputs):
+        with _autocast(autocast):
+            run, flat, spec = executor.run_forward(inputs)
+        ctx.executor = executor
+        ctx.run = run
+        ctx.autocast = autocast
+        box.spec = spec
+        return tuple(t.detach() for t in flat)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with _autocast(ctx.autocast):
+            input_grads = ctx.executor.run_backward(ctx.run, list(grads))
+        ctx.run = None
+        names = [p.name for p in ctx.executor.placeholders]
+        return (None, None, None, None, *[input_grads.get(n) for n in names])
+
+
+def _autocast_state(device_type: str) -> tuple:
+    if torch.is_autocast_enabled(device_type):
+        return (device_type, torch.get_autocast_dtype(device_type))
+    return ()
+
+
+class _autocast:
+    def __init__(self, state: tuple) -> None:
+        self.ctx = torch.autocast(state[0], dtype=state[1]) if state else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def resolve_schedule(schedule: Schedule | str | Path) -> Schedule:
+    if isinstance(schedule, Schedule):
+        return schedule
+    path = Path(schedule)
+    if path.exists() or str(schedule).endswith(".json"):
+        return Schedule.from_json(path)
+    from monet_opt.zoo import load_schedule_by_shortcut
+
+    return load_schedule_by_shortcut(str(schedule))
+
+
+class MonetWrapper(nn.Module):
+    """Wrap `model` so its training steps follow `schedule`.
+
+    schedule: a `solver.Schedule`, a path to its JSON, or a shipped-schedule
+    shortcut such as "resnet50@0.5". input_shape: the shape (or tuple of shapes)
+    the schedule was solved for. In eval mode, or under no_grad, the model runs
+    plainly.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: Schedule | str | Path,
+        input_shape: tuple[int, ...] | list[tuple[int, ...]] | None = None,
+        example_inputs: Any = None,
+    ) -> None:
+        super().__init__()
+        from monet_opt.graph import trace
+
+        self.model = model
+        self.schedule = resolve_schedule(schedule)
+        if example_inputs is None:
+            if input_shape is None:
+                shapes = self.schedule.meta.get("input_shapes")
+                if not shapes:
+                    raise ValueError("give input_shape (the shape the schedule was solved for)")
+            else:
+                shapes = [input_shape] if isinstance(input_shape[0], int) else list(input_shape)
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            example_inputs = tuple(torch.zeros(tuple(s), device=device) for s in shapes)
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        graph = trace(model, example_inputs)
+        self.schedule.check_fingerprint(graph.fingerprint)
+        object.__setattr__(self, "gm", graph.gm)  # shares the model's modules; not registered twice
+        self.input_shapes = [tuple(x.shape) for x in example_inputs]
+        self.executor = ScheduleExecutor(graph.gm, self.schedule)
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    def forward(self, *inputs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.gm(*inputs)
+        shapes = [tuple(x.shape) for x in inputs]
+        if shapes != self.input_shapes:
+            raise InputShapeMismatch(
+                f"input shape {shapes} differs from the shape the schedule was solved for "
+                f"{self.input_shapes}; solve a schedule for this shape"
+            )
+        device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
+        box = _SpecBox()
+        flat = _ScheduledStep.apply(self.executor, box, _autocast_state(device_type), self._anchor, *inputs)
+        return tree_unflatten(list(flat), box.spec)
