@@ -1,0 +1,362 @@
+"""Baseline strategies. Each returns an explicit `Schedule`, replayed by the simulator.
+
+* `no_recompute`   plain PyTorch: keep every backward state, recompute nothing.
+* `checkpoint_all` keep only segment-boundary values, recompute everything else once.
+* `chen_sqrt`      Chen et al.: about sqrt(n) segments over the topological order.
+* `greedy`         budget-driven: drop states of whole segments or single nodes and
+                   switch to lower-memory implementations, best bytes per second first.
+* `best_baseline`  the fastest of the above that fits a budget.
+
+All but `no_recompute` go through one policy builder (`policy_schedule`): per node an
+implementation, whether its state is kept from the forward (F), and whether its
+value is kept (K); lazy recompute-once semantics fill in the backward stages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+
+from solver.plan import Analysis, Plan, lazy_plan, to_schedule
+from solver.problem import Problem
+from solver.schedule import Schedule, SolverInfo
+from solver.simulate import simulate
+
+_ANALYSIS_CACHE: dict[int, tuple[Problem, Analysis]] = {}
+
+
+def analysis(problem: Problem) -> Analysis:
+    """Cached `Analysis` of a problem (problems are immutable)."""
+    hit = _ANALYSIS_CACHE.get(id(problem))
+    if hit is not None and hit[0] is problem:
+        return hit[1]
+    an = Analysis(problem)
+    if len(_ANALYSIS_CACHE) > 32:
+        _ANALYSIS_CACHE.clear()
+    _ANALYSIS_CACHE[id(problem)] = (problem, an)
+    return an
+
+
+def _impl_indices(an: Analysis, impls: dict[str, str] | list[int] | None) -> list[int]:
+    if impls is None:
+        return an.default_impls()
+    if isinstance(impls, dict):
+        out = an.default_impls()
+        for name, im in impls.items():
+            i = an.idx[name]
+            out[i] = an.impl_index(i, im)
+        return out
+    return list(impls)
+
+
+def policy_plan(problem: Problem, impl, F, K) -> Plan:
+    an = analysis(problem)
+    return lazy_plan(an, _impl_indices(an, impl), set(F), set(K))
+
+
+def policy_schedule(
+    problem: Problem,
+    impl=None,
+    F=None,
+    K=(),
+    strategy: str = "policy",
+    budget_bytes: int | None = None,
+    solver_name: str | None = None,
+) -> Schedule:
+    """Schedule of a policy: impl (list of impl indices or {node: impl name}), F and K (node indices)."""
+    an = analysis(problem)
+    if F is None:
+        F = {i for i in range(an.n) if an.rb[i]}
+    plan = lazy_plan(an, _impl_indices(an, impl), set(F), set(K))
+    return to_schedule(an, plan, strategy, SolverInfo(name=solver_name or strategy), budget_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+def no_recompute(problem: Problem, impls: dict[str, str] | None = None) -> Schedule:
+    """Plain PyTorch: every state kept from the forward; values freed after their last forward use."""
+    return policy_schedule(problem, impls, None, (), strategy="no_recompute")
+
+
+def boundaries(an: Analysis) -> list[tuple[int, frozenset[int]]]:
+    """Positions p in topological order with the set of values crossing from <= p to > p.
+
+    Returns (p, crossing set) for every p; articulation points have crossing == {p}.
+    """
+    out = []
+    live: set[int] = set()
+    for p in range(an.n):
+        live.add(p)
+        live = {j for j in live if an.lastfwd[j] > p}
+        out.append((p, frozenset(live)))
+    return out
+
+
+def _crossing_bytes(an: Analysis, cross) -> int:
+    return sum(an.a[b] for b in {an.base[j] for j in cross})
+
+
+def _segments(an: Analysis, max_cross_nodes: int = 1) -> list[int]:
+    """Cut positions (node indices) whose crossing set is small: segment ends."""
+    cuts = []
+    for p, cross in boundaries(an):
+        if 0 < len(cross) <= max_cross_nodes:
+            cuts.append(p)
+    return cuts
+
+
+def _policy_from_cuts(an: Analysis, cuts: list[int], impl: list[int]) -> tuple[set[int], set[int]]:
+    """F = {} except outputs, K = values crossing each cut."""
+    cross = dict(boundaries(an))
+    K: set[int] = set()
+    for p in cuts:
+        K |= cross[p]
+    return set(), K
+
+
+def checkpoint_all(problem: Problem, impls: dict[str, str] | None = None) -> Schedule:
+    """Keep only the values crossing every articulation point; recompute every state once."""
+    an = analysis(problem)
+    cuts = _segments(an, 1)
+    impl = _impl_indices(an, impls)
+    F, K = _policy_from_cuts(an, cuts, impl)
+    return policy_schedule(problem, impl, F, K, strategy="checkpoint_all")
+
+
+def chen_sqrt(problem: Problem, impls: dict[str, str] | None = None) -> Schedule:
+    """Chen et al. (2016): about sqrt(n) segments; boundary values kept, the rest recomputed."""
+    an = analysis(problem)
+    impl = _impl_indices(an, impls)
+    cand = _segments(an, 1) or [p for p, c in boundaries(an) if c]
+    k = max(1, round(math.sqrt(an.n)))
+    seg_len = an.n / k
+    chosen: list[int] = []
+    for g in range(1, k):
+        target = g * seg_len
+        best = min(cand, key=lambda p: abs(p - target))
+        if best not in chosen:
+            chosen.append(best)
+    F, K = _policy_from_cuts(an, sorted(chosen), impl)
+    return policy_schedule(problem, impl, F, K, strategy="chen_sqrt")
+
+
+# ---------------------------------------------------------------------------------------------
+class _Evaluator:
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.an = analysis(problem)
+        self.n_evals = 0
+
+    def schedule(self, impl, F, K, strategy="greedy", budget=None) -> Schedule:
+        return policy_schedule(self.problem, impl, F, K, strategy=strategy, budget_bytes=budget)
+
+    def evaluate(self, impl, F, K) -> tuple[int, float]:
+        self.n_evals += 1
+        sch = self.schedule(impl, F, K)
+        return sch.predicted_peak_bytes, sch.predicted_time_s
+
+
+def _units(an: Analysis, min_size: int = 3) -> list[tuple[int, list[int]]]:
+    """Recompute units: runs of nodes between articulation points, merged to >= min_size nodes.
+
+    Each unit is (start cut, members): dropping the members' states and keeping the
+    values crossing the start cut makes the unit recompute from there.
+    """
+    cuts = _segments(an, 1)
+    units: list[tuple[int, list[int]]] = []
+    prev = -1
+    members: list[int] = []
+    for p in cuts + [an.n - 1]:
+        members += [i for i in range(prev + 1, p + 1)]
+        if len(members) >= min_size or p == an.n - 1:
+            start = units[-1][1][-1] if units else -1
+            units.append((start, members))
+            members = []
+        prev = p
+    return [(st, [i for i in m if an.rb[i] and i not in an.user_held]) for st, m in units if m]
+
+
+def greedy(
+    problem: Problem,
+    budget: int,
+    time_limit: float = 10.0,
+    max_evals: int = 2000,
+) -> Schedule | None:
+    """Budget-driven heuristic: the fastest fitting schedule found, or None.
+
+    Starts from no recompute with the fastest implementations. Moves: recompute a
+    unit (the nodes between two articulation points, at two granularities: drop
+    their kept states, keep the values crossing the unit's start), or switch every
+    node of one operator type to its lowest-memory implementation. Each step applies
+    the move with the most bytes of peak saved per second of time added (lazy
+    priority queue, re-evaluated with the simulator) until the schedule fits; a
+    clean-up pass then restores states and fast implementations that still fit.
+    """
+    t0 = time.perf_counter()
+    ev = _Evaluator(problem)
+    an = ev.an
+    budget = int(budget)
+    best: tuple[float, tuple] | None = None
+
+    def consider(impl, F, K, peak, tm):
+        nonlocal best
+        if peak <= budget and (best is None or tm < best[0]):
+            best = (tm, (list(impl), set(F), set(K)))
+
+    impl0 = an.fastest_impls()
+    low = [min(range(len(ims)), key=lambda m, i=i: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)]
+    F0 = {i for i in range(an.n) if an.rb[i]}
+    cross = dict(boundaries(an))
+    units = _units(an, 3) + _units(an, 12)
+    ops = sorted({problem.nodes[i].op for i in range(an.n) if low[i] != impl0[i]})
+
+    def moves(impl, F):
+        out = [("unit", g) for g, (_s, mem) in enumerate(units) if any(i in F for i in mem)]
+        for op in ops:
+            if any(problem.nodes[i].op == op and impl[i] != low[i] for i in range(an.n)):
+                out.append(("impl", op))
+        return out
+
+    def apply(mv, impl, F, K):
+        impl, F, K = list(impl), set(F), set(K)
+        if mv[0] == "unit":
+            start, members = units[mv[1]]
+            F -= set(members)
+            if start >= 0:
+                K |= cross[start]
+        else:
+            for i in range(an.n):
+                if problem.nodes[i].op == mv[1]:
+                    impl[i] = low[i]
+        return impl, F, K
+
+    def score(dp, dt):
+        if dp <= 0:
+            return -math.inf
+        return dp / max(dt, 1e-9)
+
+    def out_of_time():
+        return time.perf_counter() - t0 > time_limit or ev.n_evals > max_evals
+
+    state = (impl0, F0, set())
+    peak, tm = ev.evaluate(*state)
+    consider(*state, peak, tm)
+    if peak > budget:
+        heap: list[tuple[float, int, tuple]] = []
+        cnt = 0
+        for mv in moves(state[0], state[1]):
+            heapq.heappush(heap, (-math.inf, cnt, mv))  # unknown: evaluate on pop
+            cnt += 1
+        stale: set[int] = set()
+        while heap and peak > budget and not out_of_time():
+            _negs, c, mv = heapq.heappop(heap)
+            cand = apply(mv, *state)
+            p2, t2 = ev.evaluate(*cand)
+            s2 = score(peak - p2, t2 - tm)
+            if heap and -heap[0][0] > s2 and c not in stale:
+                stale.add(cnt)
+                heapq.heappush(heap, (-s2, cnt, mv))
+                cnt += 1
+                continue
+            if s2 == -math.inf:
+                # no move lowers the peak alone: take the one saving most bytes of states
+                continue
+            state, peak, tm = cand, p2, t2
+            consider(*state, peak, tm)
+            live = set(moves(state[0], state[1]))
+            heap = [(h, c2, m2) for h, c2, m2 in heap if m2 in live]
+            heapq.heapify(heap)
+            stale = set()
+        if best is None:
+            # fall back: everything recomputed by units, low-memory impls
+            for impl in (impl0, low):
+                st = (impl, set(), set())
+                for _g, (start, _m) in enumerate(units[: len(_units(an, 3))]):
+                    if start >= 0:
+                        st[2].update(cross[start])
+                p2, t2 = ev.evaluate(*st)
+                consider(*st, p2, t2)
+    if best is None:
+        return None
+    impl, F, K = best[1]
+    tm = best[0]
+    # clean-up: restore units' states, then single states, then fast impls, while it fits
+    for g in range(len(units)):
+        if out_of_time():
+            break
+        mem = set(units[g][1])
+        if mem and not mem <= F:
+            p2, t2 = ev.evaluate(impl, F | mem, K)
+            if p2 <= budget and t2 < tm - 1e-12:
+                F, tm = F | mem, t2
+    for i in range(an.n):
+        if out_of_time():
+            break
+        if an.rb[i] and i not in F:
+            p2, t2 = ev.evaluate(impl, F | {i}, K)
+            if p2 <= budget and t2 < tm - 1e-12:
+                F, tm = F | {i}, t2
+        if impl[i] != impl0[i]:
+            im2 = list(impl)
+            im2[i] = impl0[i]
+            p2, t2 = ev.evaluate(im2, F, K)
+            if p2 <= budget and t2 < tm - 1e-12:
+                impl, tm = im2, t2
+    return ev.schedule(impl, F, K, strategy="greedy", budget=budget)
+
+
+def all_baselines(
+    problem: Problem, budget: int | None = None, greedy_time: float = 10.0
+) -> dict[str, Schedule]:
+    out = {
+        "no_recompute": no_recompute(problem),
+        "checkpoint_all": checkpoint_all(problem),
+        "chen_sqrt": chen_sqrt(problem),
+    }
+    an = analysis(problem)
+    low = [
+        min(range(len(ims)), key=lambda m, ims=ims: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)
+    ]
+    out["checkpoint_all_lowmem"] = policy_schedule(
+        problem, low, set(), _policy_from_cuts(an, _segments(an, 1), low)[1], strategy="checkpoint_all_lowmem"
+    )
+    if budget is not None:
+        g = greedy(problem, budget, time_limit=greedy_time)
+        if g is not None:
+            out["greedy"] = g
+    return out
+
+
+def _state_cost(an: Analysis, i: int, m: int) -> tuple:
+    im = an.impls[i][m]
+    return (im.state_bytes + sum(an.a[b] for b in an.kept_bases[i][m]) + im.fwd_workspace, im.fwd_time)
+
+
+def best_baseline(problem: Problem, budget: int, greedy_time: float = 10.0) -> Schedule | None:
+    """The fastest baseline schedule whose simulated peak fits `budget`, or None."""
+    fits = [
+        s for s in all_baselines(problem, budget, greedy_time).values() if s.predicted_peak_bytes <= budget
+    ]
+    if not fits:
+        return None
+    best = min(fits, key=lambda s: s.predicted_time_s)
+    return Schedule(**{**best.__dict__, "budget_bytes": int(budget)})
+
+
+def min_known_peak(problem: Problem) -> tuple[int, str]:
+    """The smallest simulated peak among the budget-free baselines, and which one."""
+    scheds = all_baselines(problem, None)
+    name = min(scheds, key=lambda k: scheds[k].predicted_peak_bytes)
+    return scheds[name].predicted_peak_bytes, name
+
+
+__all__ = [
+    "no_recompute",
+    "checkpoint_all",
+    "chen_sqrt",
+    "greedy",
+    "best_baseline",
+    "policy_schedule",
+    "min_known_peak",
+    "simulate",
+]

@@ -1,0 +1,391 @@
+"""Shared machinery for strategies: problem analysis, stage plans, and the emitter.
+
+A `Plan` is the stage-wise description every strategy produces (the MILP's
+variables map onto it one to one):
+
+* forward: implementation per node, `F` (nodes computed with grad=True in the
+  forward, i.e. whose backward state is kept from the forward), `S0` (value
+  handles held when the forward ends);
+* per backward stage s (node t_s, reverse topological order): the recomputes
+  `(node, impl, grad)` in topological order, then the handles `carry_vals` and
+  states `carry_states` held when the next stage starts.
+
+`emit(plan)` turns it into an explicit `Schedule` (compute / backward / free
+steps), freeing every value and state as early as the plan allows. The
+schedule is then judged by `solver.simulate`, which shares no code with this.
+
+`lazy_plan(analysis, impl, F, K)` is the policy builder used by the baselines:
+lazy recompute-once semantics (see its docstring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solver.problem import Problem, ProblemError
+from solver.schedule import Schedule, SolverInfo, Stage, Step
+
+
+class Analysis:
+    """Index-based facts about a problem that every strategy needs."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        nodes = problem.nodes
+        self.n = n = len(nodes)
+        self.names = [nd.name for nd in nodes]
+        idx = {nd.name: i for i, nd in enumerate(nodes)}
+        self.idx = idx
+        self.inputs = [[idx[x] for x in nd.inputs] for nd in nodes]
+        self.uinputs = [sorted(set(ins)) for ins in self.inputs]
+        self.is_view = [nd.alias_of is not None for nd in nodes]
+        self.base = [0] * n
+        for i, nd in enumerate(nodes):
+            self.base[i] = self.base[self.inputs[i][nd.alias_of]] if nd.alias_of is not None else i
+        self.a = [0 if self.is_view[i] else nodes[i].output_bytes for i in range(n)]
+        self.rb = [nd.requires_backward for nd in nodes]
+        self.impls = [nd.impls for nd in nodes]
+        self.consumers: list[list[int]] = [[] for _ in range(n)]
+        for i in range(n):
+            for j in self.uinputs[i]:
+                self.consumers[j].append(i)
+        self.lastfwd = [max(c) if c else -1 for c in self.consumers]
+        # storage of base b is live in the forward (without keeping) until lastfs[b]
+        self.lastfs = list(range(n))
+        for v in range(n):
+            b = self.base[v]
+            self.lastfs[b] = max(self.lastfs[b], v, self.lastfwd[v])
+        self.outputs = [i for i in range(n) if nodes[i].is_output]
+        self.user_bases = sorted({self.base[i] for i in self.outputs})
+        self.user_held = set(self.user_bases) | set(self.outputs)  # never recomputed
+        self.user_bytes = sum(self.a[b] for b in self.user_bases)
+        # backward stages
+        self.bw = [i for i in range(n - 1, -1, -1) if self.rb[i]]
+        self.T = len(self.bw)
+        self.stage_of = {t: s for s, t in enumerate(self.bw)}
+        # kept storages (bases) of each (node, impl)
+        self.kept_bases: list[list[tuple[int, ...]]] = []
+        for i, nd in enumerate(nodes):
+            row = []
+            for im in nd.impls:
+                ks = {self.base[self.inputs[i][p]] for p in im.keeps_inputs}
+                if im.keeps_output:
+                    ks.add(self.base[i])
+                row.append(tuple(sorted(ks)))
+            self.kept_bases.append(row)
+        self._grad_constants()
+        self._anc: list[frozenset[int]] | None = None
+
+    def _grad_constants(self) -> None:
+        """Gradient bytes live during each backward stage, which no schedule changes."""
+        nodes = self.problem.nodes
+        grads: dict[int, int] = {}
+        for i in self.outputs:
+            if self.rb[i]:
+                grads[i] = nodes[i].grad_bytes
+        pgrad = 0
+        self.stage_const: list[int] = []  # fixed + user-held outputs + live grads + param grads
+        self.bwd_extra_base: list[int] = []  # new input grads + param grads of t (transient)
+        for t in self.bw:
+            if t not in grads:
+                raise ProblemError(
+                    f"node {self.names[t]!r} needs a backward but no gradient reaches it "
+                    "(no consumer with a backward and not an output)"
+                )
+            self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + sum(grads.values()) + pgrad)
+            gin = [j for j in self.inputs[t] if self.rb[j]]
+            self.bwd_extra_base.append(sum(nodes[j].grad_bytes for j in gin) + nodes[t].param_grad_bytes)
+            pgrad += nodes[t].param_grad_bytes
+            for j in gin:
+                grads.setdefault(j, nodes[j].grad_bytes)
+            del grads[t]
+
+    @property
+    def ancestors(self) -> list[frozenset[int]]:
+        """ancestors[i]: proper ancestors of node i."""
+        if self._anc is None:
+            anc: list[frozenset[int]] = []
+            for i in range(self.n):
+                s: set[int] = set()
+                for j in self.uinputs[i]:
+                    s.add(j)
+                    s |= anc[j]
+                anc.append(frozenset(s))
+            self._anc = anc
+        return self._anc
+
+    def impl_index(self, i: int, name: str) -> int:
+        for m, im in enumerate(self.impls[i]):
+            if im.name == name:
+                return m
+        raise ProblemError(f"node {self.names[i]!r} has no implementation {name!r}")
+
+    def fastest_impls(self) -> list[int]:
+        return [
+            min(range(len(ims)), key=lambda m, ims=ims: (ims[m].fwd_time + ims[m].bwd_time, m))
+            for ims in self.impls
+        ]
+
+    def default_impls(self) -> list[int]:
+        return [0] * self.n
+
+
+@dataclass
+class StagePlan:
+    recompute: list[tuple[int, int, bool]] = field(default_factory=list)  # (node, impl idx, grad)
+    carry_vals: set[int] = field(default_factory=set)  # handles held when the next stage starts
+    carry_states: dict[int, int] = field(default_factory=dict)  # node -> impl idx
+
+
+@dataclass
+class Plan:
+    impl: list[int]  # forward implementation index per node
+    F: set[int]
+    S0: set[int]
+    stages: list[StagePlan]
+
+
+class PlanError(RuntimeError):
+    """A plan is internally inconsistent (a bug in the strategy that made it)."""
+
+
+def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
+    """Lazy recompute-once policy.
+
+    Forward: every node with implementation `impl[i]`, grad=True iff i in F.
+    Handles kept from the forward: K plus storages held by kept states (those cost
+    nothing more) plus the outputs. At backward stage t, if t's state is missing,
+    t is recomputed (grad=True) and, recursively, every input whose handle is not
+    held (in topological order). Each recomputed node keeps its state until its
+    own backward stage, so no node is recomputed twice. Each handle is kept until
+    no later recompute uses it (a base storage's handle is also kept while a state
+    or a view holds the storage: that costs nothing and avoids a second copy).
+    Outputs (held by the user) always keep their forward state.
+    """
+    F = {i for i in F if an.rb[i]} | {i for i in an.user_held if an.rb[i]}
+    avail = set(K) | set(an.user_held)
+    for i in F:
+        avail.update(an.kept_bases[i][impl[i]])
+    states: dict[int, int] = {i: impl[i] for i in F}
+    rec: list[list[tuple[int, int, bool]]] = [[] for _ in range(an.T)]
+
+    for s, t in enumerate(an.bw):
+        out = rec[s]
+
+        def ensure(i: int, force: bool = False, out=out) -> None:
+            if not force and i in avail:
+                return
+            # explicit stack instead of recursion (deep chains)
+            order: list[int] = []
+            stack = [(i, False)]
+            seen: set[int] = set()
+            while stack:
+                v, done = stack.pop()
+                if done:
+                    order.append(v)
+                    continue
+                if v in seen:
+                    continue
+                seen.add(v)
+                stack.append((v, True))
+                for j in reversed(an.uinputs[v]):
+                    if j not in avail and j not in seen:
+                        stack.append((j, False))
+            for v in sorted(order):
+                grad = an.rb[v] and v not in states
+                out.append((v, impl[v], grad))
+                avail.add(v)
+                if grad:
+                    states[v] = impl[v]
+
+        if t not in states:
+            if t in an.user_held:
+                raise PlanError(f"output {an.names[t]!r} has no forward state")
+            ensure(t, force=True)
+        del states[t]
+    return _finish_plan(an, impl, F, rec)
+
+
+def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tuple[int, int, bool]]]) -> Plan:
+    """Given the recomputes per stage, derive the handles and states carried between stages."""
+    T = an.T
+    # state lifetimes
+    state_impl: dict[int, int] = {i: impl[i] for i in F}
+    created: dict[int, int] = {i: -1 for i in F}  # stage index where created (-1: forward)
+    for s in range(T):
+        for i, m, g in rec[s]:
+            if g and i != an.bw[s]:
+                state_impl[i] = m
+                created[i] = s
+    # uses of handles per stage (inputs of recomputes not produced earlier in the stage)
+    uses: list[set[int]] = []
+    prods: list[set[int]] = []
+    for s in range(T):
+        produced: set[int] = set()
+        used: set[int] = set()
+        for i, _m, _g in rec[s]:
+            for j in an.uinputs[i]:
+                if j not in produced:
+                    used.add(j)
+            produced.add(i)
+        uses.append(used)
+        prods.append(produced)
+    # carry_vals into stage s' (s' = 0..T-1): next event at or after s' is a use
+    need_into: list[set[int]] = [set() for _ in range(T + 1)]
+    pending: set[int] = set()
+    for s in range(T - 1, -1, -1):
+        pending -= prods[s]
+        pending |= uses[s]
+        need_into[s] = set(pending)
+    stages: list[StagePlan] = []
+    carried: list[set[int]] = []
+    by_stage: dict[int, list[int]] = {}
+    for i, c in created.items():
+        by_stage.setdefault(c, []).append(i)
+    live_states: dict[int, int] = {}
+    kept_count: dict[int, int] = {}
+
+    def add_state(i: int) -> None:
+        m = state_impl[i]
+        live_states[i] = m
+        for b in an.kept_bases[i][m]:
+            kept_count[b] = kept_count.get(b, 0) + 1
+
+    def drop_state(i: int) -> None:
+        m = live_states.pop(i)
+        for b in an.kept_bases[i][m]:
+            kept_count[b] -= 1
+            if not kept_count[b]:
+                del kept_count[b]
+
+    for i in by_stage.get(-1, []):
+        add_state(i)
+    user_sorted = sorted(an.user_held)
+    for s_in in range(T + 1):  # handles held when stage s_in starts (T: after the last)
+        if s_in > 0:
+            t_prev = an.bw[s_in - 1]
+            if t_prev in live_states:
+                drop_state(t_prev)
+            for i in by_stage.get(s_in - 1, []):
+                add_state(i)
+        if s_in < T:
+            t_in = an.bw[s_in]
+            vals = set(need_into[s_in])
+            vals.update(kept_count)
+            vals.update([an.base[v] for v in vals])
+            vals.update(u for u in user_sorted if u <= t_in)
+            vals = {v for v in vals if v <= t_in}
+            st = dict(live_states)
+        else:
+            vals, st = set(), {}
+        carried.append(vals)
+        if s_in > 0:
+            stages.append(StagePlan(recompute=rec[s_in - 1], carry_vals=vals, carry_states=st))
+    return Plan(impl=list(impl), F=set(F), S0=carried[0], stages=stages)
+
+
+def emit(an: Analysis, plan: Plan) -> list[Stage]:
+    """The explicit schedule of a plan, freeing everything as early as the plan allows."""
+    names = an.names
+    impls = an.impls
+    steps: list[Step] = []
+    S0 = plan.S0 | set(an.outputs)
+    for i in range(an.n):
+        steps.append(Step("compute", names[i], impls[i][plan.impl[i]].name, i in plan.F and an.rb[i]))
+        for j in an.uinputs[i]:
+            if an.lastfwd[j] == i and j not in S0:
+                steps.append(Step("free_value", names[j]))
+        if an.lastfwd[i] == -1 and i not in S0:
+            steps.append(Step("free_value", names[i]))
+    stages = [Stage("forward", tuple(steps))]
+    held_vals = set(S0)
+    held_states = {i: plan.impl[i] for i in plan.F if an.rb[i]}
+    for s, t in enumerate(an.bw):
+        sp = plan.stages[s]
+        steps = []
+        rec_nodes = [i for i, _m, _g in sp.recompute]
+        last_use: dict[int, int] = {}
+        for k, i in enumerate(rec_nodes):
+            for j in an.uinputs[i]:
+                last_use[j] = k
+        recset = set(rec_nodes)
+        regrad = {i for i, _m, g in sp.recompute if g}
+        # states not carried (and not t's) go first
+        for i in sorted(held_states):
+            if i != t and (i not in sp.carry_states or i in regrad):
+                steps.append(Step("free_state", names[i]))
+                del held_states[i]
+        for j in sorted(held_vals):
+            if j in recset or (j not in sp.carry_vals and j not in last_use):
+                steps.append(Step("free_value", names[j]))
+                held_vals.discard(j)
+        for k, (i, m, g) in enumerate(sp.recompute):
+            for j in an.uinputs[i]:
+                if j not in held_vals:
+                    raise PlanError(f"stage {s} ({names[t]}): recompute of {names[i]} needs {names[j]}")
+            steps.append(Step("compute", names[i], impls[i][m].name, bool(g and an.rb[i])))
+            held_vals.add(i)
+            if g and an.rb[i]:
+                held_states[i] = m
+            for j in an.uinputs[i]:
+                if last_use.get(j) == k and j not in sp.carry_vals and j in held_vals:
+                    steps.append(Step("free_value", names[j]))
+                    held_vals.discard(j)
+            if i not in sp.carry_vals and last_use.get(i, -1) <= k:
+                steps.append(Step("free_value", names[i]))
+                held_vals.discard(i)
+        if t not in held_states:
+            raise PlanError(f"stage {s}: no state for {names[t]}")
+        steps.append(Step("backward", names[t]))
+        del held_states[t]
+        for j in sorted(held_vals):
+            if j not in sp.carry_vals:
+                steps.append(Step("free_value", names[j]))
+                held_vals.discard(j)
+        for i in sorted(held_states):
+            if i not in sp.carry_states:
+                steps.append(Step("free_state", names[i]))
+                del held_states[i]
+        missing = set(sp.carry_vals) - held_vals
+        if missing:
+            raise PlanError(f"stage {s}: carries handles it does not hold: {[names[j] for j in missing]}")
+        missing_st = set(sp.carry_states) - set(held_states)
+        if missing_st:
+            raise PlanError(f"stage {s}: carries states it does not hold: {[names[j] for j in missing_st]}")
+        stages.append(Stage(f"backward:{names[t]}", tuple(steps)))
+    return stages
+
+
+def to_schedule(
+    an: Analysis,
+    plan: Plan,
+    strategy: str,
+    solver_info: SolverInfo,
+    budget_bytes: int | None = None,
+    meta: dict | None = None,
+) -> Schedule:
+    """Emit, replay with the simulator, and wrap as a Schedule with predictions filled in."""
+    from solver.simulate import simulate
+
+    stages = emit(an, plan)
+    draft = Schedule(
+        fingerprint=an.problem.fingerprint,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=0,
+        predicted_time_s=0.0,
+        solver=solver_info,
+        strategy=strategy,
+        stages=tuple(stages),
+        meta=dict(meta or {}),
+    )
+    sim = simulate(an.problem, draft)
+    return Schedule(
+        fingerprint=draft.fingerprint,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time_s=sim.time_s,
+        solver=solver_info,
+        strategy=strategy,
+        stages=draft.stages,
+        meta={**draft.meta, "recompute_time_s": sim.recompute_time_s},
+    )

@@ -1,0 +1,361 @@
+"""Synthetic problems for tests and benchmarks: chains, residual networks, random DAGs.
+
+Costs are plausible, not measured: times follow FLOP counts of convolutional
+networks at a small batch, bytes follow activation shapes in float32. Each
+family offers the storage variants that make implementation choice matter:
+
+* ReLU: "default" keeps its output; "bitmask" keeps a 1-bit mask (output/32)
+  and nothing else, slightly slower backward.
+* BatchNorm: "default" keeps its input; "output_activated" keeps its output
+  plus a small state, slightly slower backward.
+* max-pool: "default" keeps its input plus int64 indices; "packed" keeps only
+  packed indices (output/4), slower.
+* conv: "default" (fast, workspace) and "low_workspace" (slower, no workspace).
+
+Everything is deterministic in `seed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from solver.problem import Impl, Node, Problem
+
+F32 = 4
+
+
+class _Builder:
+    def __init__(self, seed: int, name: str) -> None:
+        self.rng = random.Random(seed)
+        self.nodes: list[Node] = []
+        self.name = name
+        self.seed = seed
+
+    def jitter(self, x: float) -> float:
+        return x * self.rng.uniform(0.85, 1.15)
+
+    def add(self, name: str, op: str, inputs, out_bytes: int, impls, **kw) -> str:
+        kw.setdefault("grad_bytes", out_bytes)
+        kw.setdefault("requires_backward", True)
+        self.nodes.append(
+            Node(name=name, op=op, inputs=tuple(inputs), output_bytes=out_bytes, impls=tuple(impls), **kw)
+        )
+        return name
+
+    # -- op families ----------------------------------------------------------
+    def conv(self, name, x, out_elems, cin, cout, k=3):
+        """x=None: the conv reads the model input (not a node) and keeps nothing of ours."""
+        flops = 2.0 * out_elems * cin * k * k
+        t = self.jitter(flops / 20e9 + 2e-5)
+        ws = int(out_elems * F32 * 0.5)
+        keeps = (0,) if x is not None else ()
+        impls = [
+            Impl("default", t, 2.0 * t, fwd_workspace=ws, bwd_workspace=ws, keeps_inputs=keeps),
+            Impl("low_workspace", 1.35 * t, 2.6 * t, keeps_inputs=keeps),
+        ]
+        inputs = [x] if x is not None else []
+        return self.add(
+            name, "conv2d", inputs, out_elems * F32, impls, param_grad_bytes=cin * cout * k * k * F32
+        )
+
+    def bn(self, name, x, elems, channels):
+        t = self.jitter(elems / 2e9 + 1e-5)
+        small = 2 * channels * F32
+        impls = [
+            Impl("default", t, 2.0 * t, keeps_inputs=(0,), state_bytes=small),
+            Impl("output_activated", t, 2.3 * t, keeps_output=True, state_bytes=2 * small),
+        ]
+        return self.add(name, "batch_norm", [x], elems * F32, impls, param_grad_bytes=small)
+
+    def relu(self, name, x, elems):
+        t = self.jitter(elems / 4e9 + 5e-6)
+        impls = [
+            Impl("default", t, t, keeps_output=True),
+            Impl("bitmask", 1.1 * t, 1.2 * t, state_bytes=max(1, elems * F32 // 32)),
+        ]
+        return self.add(name, "relu", [x], elems * F32, impls)
+
+    def add_op(self, name, a, b, elems):
+        t = self.jitter(elems / 3e9 + 5e-6)
+        return self.add(name, "add", [a, b], elems * F32, [Impl("default", t, 0.5 * t)])
+
+    def maxpool(self, name, x, out_elems):
+        t = self.jitter(out_elems * 9 / 4e9 + 1e-5)
+        impls = [
+            Impl("default", t, 1.5 * t, keeps_inputs=(0,), state_bytes=out_elems * 8),
+            Impl("packed", 1.2 * t, 2.0 * t, state_bytes=max(1, out_elems)),
+        ]
+        return self.add(name, "max_pool2d", [x], out_elems * F32, impls)
+
+    def head(self, x, elems, channels, classes, batch):
+        t = self.jitter(elems / 4e9 + 5e-6)
+        pooled = batch * channels
+        p = self.add("avgpool", "adaptive_avg_pool2d", [x], pooled * F32, [Impl("default", t, t)])
+        f = self.add(
+            "flatten",
+            "flatten",
+            [p],
+            0,
+            [Impl("default", 1e-6, 1e-6)],
+            alias_of=0,
+            grad_bytes=pooled * F32,
+        )
+        tl = self.jitter(2.0 * pooled * classes / 20e9 + 1e-5)
+        fc = self.add(
+            "fc",
+            "linear",
+            [f],
+            batch * classes * F32,
+            [Impl("default", tl, 2 * tl, keeps_inputs=(0,))],
+            param_grad_bytes=channels * classes * F32,
+        )
+        return self.add(
+            "loss",
+            "cross_entropy",
+            [fc],
+            F32,
+            [Impl("default", 1e-5, 1e-5, keeps_inputs=(0,), state_bytes=batch * F32)],
+            is_output=True,
+        )
+
+    def problem(self, **meta) -> Problem:
+        fp = hashlib.sha256(f"{self.name}:{self.seed}:{len(self.nodes)}".encode()).hexdigest()
+        return Problem(
+            nodes=tuple(self.nodes),
+            fingerprint=fp,
+            fixed_bytes=meta.pop("fixed_bytes", 0),
+            meta={"synthetic": self.name, "seed": self.seed, **meta},
+        )
+
+
+def chain(n: int = 10, seed: int = 0, batch: int = 8, hw: int = 32, channels: int = 16) -> Problem:
+    """A plain chain of about `n` nodes: conv-bn-relu repeated, ending in a loss."""
+    if n < 4:
+        raise ValueError("chain needs n >= 4")
+    b = _Builder(seed, f"chain{n}")
+    elems = batch * channels * hw * hw
+    x = None
+    cin = 3
+    i = 0
+    body = n - 1
+    kinds = ["conv", "bn", "relu"]
+    while i < body:
+        kind = kinds[i % 3]
+        name = f"{kind}{i}"
+        if kind == "conv":
+            x = b.conv(name, x, elems, cin if x is None else channels, channels)
+        elif kind == "bn":
+            x = b.bn(name, x, elems, channels)
+        else:
+            x = b.relu(name, x, elems)
+        i += 1
+    b.add(
+        "loss",
+        "mse_loss",
+        [x],
+        F32,
+        [Impl("default", b.jitter(elems / 4e9), b.jitter(elems / 4e9), keeps_inputs=(0,))],
+        is_output=True,
+    )
+    return b.problem()
+
+
+def resnet(
+    n: int = 100, seed: int = 0, batch: int = 8, hw: int = 64, bottleneck: bool | None = None
+) -> Problem:
+    """A ResNet-like residual DAG with about `n` nodes (50-350 are typical).
+
+    Stem conv-bn-relu-maxpool, then residual blocks in four stages (spatial size
+    halves, channels double, first block of a stage has a conv-bn downsample
+    shortcut), then avgpool-flatten(view)-linear-loss.
+    """
+    if bottleneck is None:
+        bottleneck = n >= 150
+    b = _Builder(seed, f"resnet{n}")
+    ch = 16
+    s = hw // 2
+    e = batch * ch * s * s
+    x = b.conv("stem_conv", None, e, 3, ch, k=7)
+    x = b.bn("stem_bn", x, e, ch)
+    x = b.relu("stem_relu", x, e)
+    s //= 2
+    e = batch * ch * s * s
+    x = b.maxpool("stem_pool", x, e)
+    per_block = 10 if bottleneck else 8
+    n_blocks = max(1, (n - 8) // per_block)
+    stage_blocks = [n_blocks // 4 + (1 if k < n_blocks % 4 else 0) for k in range(4)]
+    blk = 0
+    for st, nb in enumerate(stage_blocks):
+        for j in range(nb):
+            down = j == 0 and st > 0
+            cin = ch
+            if down:
+                ch *= 2
+                s = max(1, s // 2)
+            e_out = batch * ch * s * s
+            p = f"b{blk}_"
+            if bottleneck:
+                mid = max(4, ch // 4)
+                e_mid = batch * mid * s * s
+                y = b.conv(p + "conv1", x, e_mid, cin, mid, k=1)
+                y = b.bn(p + "bn1", y, e_mid, mid)
+                y = b.relu(p + "relu1", y, e_mid)
+                y = b.conv(p + "conv2", y, e_mid, mid, mid, k=3)
+                y = b.bn(p + "bn2", y, e_mid, mid)
+                y = b.relu(p + "relu2", y, e_mid)
+                y = b.conv(p + "conv3", y, e_out, mid, ch, k=1)
+                y = b.bn(p + "bn3", y, e_out, ch)
+            else:
+                y = b.conv(p + "conv1", x, e_out, cin, ch)
+                y = b.bn(p + "bn1", y, e_out, ch)
+                y = b.relu(p + "relu1", y, e_out)
+                y = b.conv(p + "conv2", y, e_out, ch, ch)
+                y = b.bn(p + "bn2", y, e_out, ch)
+            if down:
+                sc = b.conv(p + "down_conv", x, e_out, cin, ch, k=1)
+                sc = b.bn(p + "down_bn", sc, e_out, ch)
+            else:
+                sc = x
+            y = b.add_op(p + "add", y, sc, e_out)
+            x = b.relu(p + "relu_out", y, e_out)
+            blk += 1
+    b.head(x, batch * ch * s * s, ch, 10, batch)
+    return b.problem()
+
+
+def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool = True) -> Problem:
+    """A small random DAG with random costs and implementation variants.
+
+    Node 0 reads the model input and has no backward (no parameters). Every node
+    reaches the final loss, so every gradient is defined. Occasional views, a
+    second output, nodes with several inputs.
+    """
+    rng = random.Random(seed)
+    b = _Builder(seed, f"random{n}")
+    names: list[str] = []
+    needs_grad: dict[str, bool] = {}
+    consumers: dict[str, int] = {}
+
+    def impls_for(op: str) -> list[Impl]:
+        t = rng.uniform(1e-4, 1e-3)
+        bt = rng.uniform(1e-4, 2e-3)
+        ws = rng.choice([0, 0, rng.randint(1, 40) * 1000])
+        if op == "relu":
+            return [
+                Impl("default", t, bt, fwd_workspace=ws, keeps_output=True),
+                Impl("bitmask", 1.1 * t, 1.2 * bt, state_bytes=rng.randint(1, 4) * 1000),
+            ]
+        if op == "bn":
+            return [
+                Impl("default", t, bt, keeps_inputs=(0,), state_bytes=rng.randint(0, 2) * 1000),
+                Impl(
+                    "output_activated", t, 1.3 * bt, keeps_output=True, state_bytes=rng.randint(1, 3) * 1000
+                ),
+            ]
+        return [
+            Impl("default", t, bt, fwd_workspace=ws, bwd_workspace=rng.choice([0, ws]), keeps_inputs=(0,))
+        ]
+
+    first = b.add(
+        "input_op",
+        "normalize",
+        [],
+        rng.randint(5, 40) * 1000,
+        impls_for("other"),
+        requires_backward=False,
+        grad_bytes=0,
+    )
+    b.nodes[-1] = Node(
+        **{
+            **b.nodes[-1].__dict__,
+            "impls": tuple(
+                Impl(i.name, i.fwd_time, 0.0, i.fwd_workspace, 0, (), False, 0) for i in b.nodes[-1].impls
+            ),
+        }
+    )
+    names.append(first)
+    needs_grad[first] = False
+    consumers[first] = 0
+    second_output = None
+    for k in range(1, n - 1):
+        op = rng.choice(["conv", "relu", "bn", "add", "view"] if views else ["conv", "relu", "bn", "add"])
+        if op == "add" and len(names) >= 2:
+            ins = rng.sample(names, 2)
+            ins.sort(key=names.index)
+        else:
+            # prefer recent nodes, sometimes reach back
+            pick = names[-1] if rng.random() < 0.7 else rng.choice(names)
+            ins = [pick]
+            if op == "add":
+                op = "conv"
+        name = f"n{k}_{op}"
+        has_param = op in ("conv", "bn")
+        rb = has_param or any(needs_grad[i] for i in ins)
+        out = rng.randint(5, 60) * 1000
+        if op == "view":
+            impls = [Impl("default", 1e-6, 1e-6)]
+            src_bytes = b.nodes[names.index(ins[0])].output_bytes or 20000
+            b.add(
+                name,
+                "view",
+                ins,
+                0,
+                impls,
+                alias_of=0,
+                requires_backward=rb,
+                grad_bytes=src_bytes if rb else 0,
+            )
+        elif op == "add":
+            t = rng.uniform(5e-5, 3e-4)
+            b.add(
+                name,
+                "add",
+                ins,
+                out,
+                [Impl("default", t, t / 2)],
+                requires_backward=rb,
+                grad_bytes=out if rb else 0,
+            )
+        else:
+            b.add(
+                name,
+                op,
+                ins,
+                out,
+                impls_for(op),
+                requires_backward=rb,
+                grad_bytes=out if rb else 0,
+                param_grad_bytes=rng.randint(1, 20) * 1000 if has_param else 0,
+            )
+        for i in ins:
+            consumers[i] += 1
+        names.append(name)
+        needs_grad[name] = rb
+        consumers[name] = 0
+        if multi_output and second_output is None and k == n // 2 and rb and op != "view":
+            second_output = name
+    # the loss reads every node nobody consumes (so every gradient is defined)
+    dangling = [nm for nm in names if consumers[nm] == 0]
+    last_in = dangling if dangling else [names[-1]]
+    loss_impl = Impl("default", 1e-5, 1e-5, keeps_inputs=tuple(range(len(last_in))), state_bytes=8)
+    b.add("loss", "loss", last_in, 4, [loss_impl], is_output=True, requires_backward=True, grad_bytes=4)
+    if second_output is not None:
+        idx = names.index(second_output)
+        b.nodes[idx] = Node(**{**b.nodes[idx].__dict__, "is_output": True})
+    # a node that needs no grad but whose consumer needs it: fine; a node that needs
+    # a backward must reach the loss (true: every node does)
+    return b.problem(fixed_bytes=rng.randint(0, 5) * 1000)
+
+
+def test_problems() -> dict[str, Problem]:
+    """The small zoo the strategy tests sweep over."""
+    return {
+        "chain8": chain(8, seed=1),
+        "chain12": chain(12, seed=2),
+        "resnet50": resnet(50, seed=3),
+        "resnet_bneck60": resnet(60, seed=4, bottleneck=True),
+        "random10": random_dag(10, seed=5),
+        "random16": random_dag(16, seed=6),
+        "random24": random_dag(24, seed=7),
+    }
