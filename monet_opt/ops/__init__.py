@@ -1,0 +1,73 @@
+"""The implementation registry: for each fx node, the implementations it can run with.
+
+    implementations_for(op, target, example_args=None, example_kwargs=None) -> list[Implementation]
+
+`op` is the fx node op ('call_module' | 'call_function' | 'call_method'), `target` the resolved
+target (module instance, function object, or method name). The first entry is always "default":
+the op as the model wrote it, except that in-place forms run out of place (inputs are never
+mutated) and batch norm does not update its running statistics when `recompute=True`.
+Every other entry computes the same value with a backward that keeps something different
+(see each family module). Unknown ops get only the out-of-place default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import activation, attention, conv, elementwise, linear, norm, pool
+from .base import DEFAULT, Implementation, call_target
+from .common import out_of_place_default
+
+# Order matters only where matchers overlap (they do not today).
+FAMILIES = {
+    "activation": activation,
+    "norm": norm,
+    "pool": pool,
+    "conv": conv,
+    "attention": attention,
+    "dropout": elementwise,
+    "linear": linear,
+}
+
+__all__ = [
+    "DEFAULT",
+    "FAMILIES",
+    "Implementation",
+    "call_target",
+    "describe_registry",
+    "family_of",
+    "implementations_for",
+]
+
+
+def family_of(op: str, target: Any) -> str | None:
+    """Name of the family handling this op, or None for the generic default."""
+    for name, module in FAMILIES.items():
+        try:
+            if module.matches(op, target):
+                return name
+        except TypeError:  # unhashable targets in `in` checks
+            continue
+    return None
+
+
+def implementations_for(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    """Implementations for one fx node; the first is always named "default"."""
+    family = family_of(op, target)
+    if family is None:
+        impls = [out_of_place_default(op, target)]
+    else:
+        impls = FAMILIES[family].implementations(op, target, example_args, example_kwargs)
+    assert impls and impls[0].name == "default", (op, target, impls)
+    names = [i.name for i in impls]
+    assert len(set(names)) == len(names), names
+    return impls
+
+
+def describe_registry() -> list[tuple[str, list[str]]]:
+    """(family, implementation names) for docs and the CLI. Names marked * depend on the device."""
+    rows: list[tuple[str, list[str]]] = []
+    for module in (activation, norm, pool, conv, attention, elementwise, linear):
+        rows.extend((name, list(impls)) for name, impls in module.IMPLEMENTATION_NAMES.items())
+    rows.extend((name, list(impls)) for name, impls in elementwise.DEFAULT_ONLY.items())
+    return rows

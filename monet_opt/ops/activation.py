@@ -1,0 +1,154 @@
+"""Activations: ReLU / ReLU6 / Hardtanh with a 1-bit-mask backward; GELU, SiLU & co. default only.
+
+- "default": torch's kernel run out of place. ReLU saves its output, Hardtanh/ReLU6 its input.
+- "bitmask": saves only which elements pass the gradient, packed 8 per byte (1/32 of fp32).
+  Backward is `where(mask, grad, 0)`, bitwise identical to torch's threshold/hardtanh backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Implementation
+from .common import first_tensor, out_of_place_default, pack_bits, unpack_bits
+
+# ------------------------------------------------------------------ autograd functions
+
+
+class ReLUBitmask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x)
+        # torch's backward: grad where result > 0, i.e. not (result <= 0) (NaN passes the gradient).
+        ctx.numel, ctx.shape = y.numel(), y.shape
+        ctx.save_for_backward(pack_bits(y.le(0).logical_not_()))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (packed,) = ctx.saved_tensors
+        mask = unpack_bits(packed, ctx.numel, ctx.shape)
+        return torch.where(mask, grad, grad.new_zeros(()))
+
+
+class HardtanhBitmask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+        y = F.hardtanh(x, min_val, max_val)
+        # torch's hardtanh_backward: 0 where input <= min or input >= max, else grad.
+        keep = x.le(min_val).logical_or_(x.ge(max_val)).logical_not_()
+        ctx.numel, ctx.shape = y.numel(), y.shape
+        ctx.save_for_backward(pack_bits(keep))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (packed,) = ctx.saved_tensors
+        mask = unpack_bits(packed, ctx.numel, ctx.shape)
+        return torch.where(mask, grad, grad.new_zeros(())), None, None
+
+
+def relu_bitmask(x: torch.Tensor) -> torch.Tensor:
+    return ReLUBitmask.apply(x)
+
+
+def hardtanh_bitmask(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
+    return HardtanhBitmask.apply(x, float(min_val), float(max_val))
+
+
+# ------------------------------------------------------------------ matching
+
+RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_, torch.Tensor.relu, torch.Tensor.relu_}
+RELU_METHODS = {"relu", "relu_"}
+HARDTANH_FUNCTIONS = {F.hardtanh, F.hardtanh_, F.relu6}
+HARDTANH_METHODS: set[str] = set()
+DEFAULT_ONLY_MODULES = (
+    nn.GELU,
+    nn.SiLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Mish,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softmax,
+    nn.LogSoftmax,
+)
+
+
+def _is_relu(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return type(target) is nn.ReLU
+    if op == "call_method":
+        return target in RELU_METHODS
+    return target in RELU_FUNCTIONS
+
+
+def _hardtanh_bounds(op: str, target: Any, args: tuple, kwargs: dict) -> tuple[float, float]:
+    if op == "call_module":
+        return float(target.min_val), float(target.max_val)
+    if target is F.relu6:
+        return 0.0, 6.0
+    # F.hardtanh(input, min_val=-1., max_val=1., inplace=False)
+    rest = list(args[1:3])
+    min_val = rest[0] if len(rest) > 0 else kwargs.get("min_val", -1.0)
+    max_val = rest[1] if len(rest) > 1 else kwargs.get("max_val", 1.0)
+    return float(min_val), float(max_val)
+
+
+def _is_hardtanh(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return isinstance(target, nn.Hardtanh)  # includes nn.ReLU6
+    if op == "call_method":
+        return target in HARDTANH_METHODS
+    return target in HARDTANH_FUNCTIONS
+
+
+# ------------------------------------------------------------------ family entry points
+
+
+def matches(op: str, target: Any) -> bool:
+    return _is_relu(op, target) or _is_hardtanh(op, target)
+
+
+def implementations(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    default = out_of_place_default(op, target)
+    if _is_relu(op, target):
+        bitmask = Implementation(
+            "bitmask",
+            lambda t, args, kwargs, recompute: relu_bitmask(first_tensor(args, kwargs)),
+            "ReLU keeping a 1-bit packed mask of positive outputs (numel/8 bytes) for backward",
+        )
+        return [
+            Implementation("default", default.run, "torch ReLU, out of place; backward keeps its output"),
+            bitmask,
+        ]
+    if _is_hardtanh(op, target):
+
+        def run_bitmask(t, args, kwargs, recompute):
+            lo, hi = _hardtanh_bounds(op, t, args, kwargs)
+            return hardtanh_bitmask(first_tensor(args, kwargs), lo, hi)
+
+        return [
+            Implementation(
+                "default", default.run, "torch Hardtanh/ReLU6, out of place; backward keeps its input"
+            ),
+            Implementation(
+                "bitmask",
+                run_bitmask,
+                "Hardtanh/ReLU6 keeping a 1-bit packed mask of min<x<max (numel/8 bytes)",
+            ),
+        ]
+    return [default]
+
+
+FAMILY_NAME = "activation"
+IMPLEMENTATION_NAMES = {
+    "relu (nn.ReLU, F.relu, torch.relu, .relu)": ["default", "bitmask"],
+    "hardtanh (nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh)": ["default", "bitmask"],
+}

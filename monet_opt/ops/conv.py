@@ -1,0 +1,262 @@
+"""2-d convolution: torch's kernel, or batch-chunked execution.
+
+- "default": F.conv2d; backward keeps the input (and the weight, a parameter).
+- "chunked": the batch is split into 2 chunks, each convolved (forward) and differentiated
+  (backward, via aten.convolution_backward) separately, results written into preallocated
+  tensors. Keeps the same tensors as default (input + weight); what it buys is a smaller
+  transient workspace (im2col/oneDNN/cuDNN scratch scales with the batch), at some time cost.
+- CUDA only: "cudnn_benchmark" / "cudnn_deterministic" run forward and backward under those
+  cuDNN flags (different algorithms, hence different workspace and time). Not offered on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+from .base import Implementation
+from .common import out_of_place_default
+
+
+def _chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    chunks = max(1, min(chunks, n))
+    size = -(-n // chunks)
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class Conv2dChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, chunks):
+        bounds = _chunk_bounds(x.size(0), chunks)
+        out = None
+        for a, b in bounds:
+            y = F.conv2d(x[a:b], weight, bias, stride, padding, dilation, groups)
+            if out is None:
+                if len(bounds) == 1:
+                    out = y
+                    break
+                out = torch.empty(
+                    (x.size(0),) + y.shape[1:],
+                    dtype=y.dtype,
+                    device=y.device,
+                    memory_format=_memory_format(y),
+                )
+            out[a:b].copy_(y)
+            del y
+        ctx.params = (stride, padding, dilation, groups, chunks)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, chunks = ctx.params
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        mask = [need_x, need_w, need_b and ctx.bias_sizes is not None]
+        gx = torch.empty_like(x) if need_x else None
+        gw = gb = None
+        for a, b in _chunk_bounds(x.size(0), chunks):
+            cgx, cgw, cgb = torch.ops.aten.convolution_backward(
+                g[a:b],
+                x[a:b],
+                weight,
+                ctx.bias_sizes,
+                list(stride),
+                list(padding),
+                list(dilation),
+                False,
+                [0, 0],
+                groups,
+                mask,
+            )
+            if need_x:
+                gx[a:b].copy_(cgx)
+            if mask[1]:
+                gw = cgw if gw is None else gw.add_(cgw)
+            if mask[2]:
+                gb = cgb if gb is None else gb.add_(cgb)
+            del cgx, cgw, cgb
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def conv2d_chunked(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, chunks=2):
+    if x.dim() != 4 or isinstance(padding, str) or x.size(0) < 2:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return Conv2dChunked.apply(
+        x, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups, chunks
+    )
+
+
+class _CudnnFlags(torch.autograd.Function):
+    """Run conv2d forward and backward under given cuDNN flags."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, benchmark, deterministic):
+        ctx.params = (stride, padding, dilation, groups, benchmark, deterministic)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.save_for_backward(x, weight)
+        with torch.backends.cudnn.flags(
+            enabled=True,
+            benchmark=benchmark,
+            deterministic=deterministic,
+            allow_tf32=torch.backends.cudnn.allow_tf32,
+        ):
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, benchmark, deterministic = ctx.params
+        mask = [
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
+        ]
+        with torch.backends.cudnn.flags(
+            enabled=True,
+            benchmark=benchmark,
+            deterministic=deterministic,
+            allow_tf32=torch.backends.cudnn.allow_tf32,
+        ):
+            gx, gw, gb = torch.ops.aten.convolution_backward(
+                g,
+                x,
+                weight,
+                ctx.bias_sizes,
+                list(stride),
+                list(padding),
+                list(dilation),
+                False,
+                [0, 0],
+                groups,
+                mask,
+            )
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ argument normalisation
+
+_F_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_F_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _conv_params(target, args, kwargs) -> dict:
+    if isinstance(target, nn.Module):
+        x = args[0] if args else kwargs["input"]
+        return dict(
+            input=x,
+            weight=target.weight,
+            bias=target.bias,
+            stride=target.stride,
+            padding=target.padding,
+            dilation=target.dilation,
+            groups=target.groups,
+        )
+    p = dict(_F_DEFAULTS)
+    p.update(dict(zip(_F_NAMES, args)))
+    p.update(kwargs)
+    return p
+
+
+def _chunkable(target) -> bool:
+    if isinstance(target, nn.Module):
+        return target.padding_mode == "zeros" and not isinstance(target.padding, str)
+    return True
+
+
+def _make_chunked(chunks: int):
+    def run(target, args, kwargs, recompute):
+        p = _conv_params(target, args, kwargs)
+        return conv2d_chunked(
+            p["input"], p["weight"], p["bias"], p["stride"], p["padding"], p["dilation"], p["groups"], chunks
+        )
+
+    return run
+
+
+def _make_cudnn(benchmark: bool, deterministic: bool):
+    def run(target, args, kwargs, recompute):
+        p = _conv_params(target, args, kwargs)
+        x = p["input"]
+        if not x.is_cuda or isinstance(p["padding"], str):
+            return F.conv2d(x, p["weight"], p["bias"], p["stride"], p["padding"], p["dilation"], p["groups"])
+        return _CudnnFlags.apply(
+            x,
+            p["weight"],
+            p["bias"],
+            _pair(p["stride"]),
+            _pair(p["padding"]),
+            _pair(p["dilation"]),
+            p["groups"],
+            benchmark,
+            deterministic,
+        )
+
+    return run
+
+
+def matches(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return type(target) is nn.Conv2d
+    return op == "call_function" and (target is F.conv2d or target is torch.conv2d)
+
+
+def _on_cuda(target, example_args) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    if isinstance(target, nn.Module):
+        return target.weight.is_cuda
+    return bool(example_args) and isinstance(example_args[0], torch.Tensor) and example_args[0].is_cuda
+
+
+def implementations(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    impls = [
+        Implementation(
+            "default",
+            out_of_place_default(op, target).run,
+            "torch conv2d; backward keeps the input (and weight)",
+        )
+    ]
+    if not _chunkable(target):
+        return impls
+    if example_args:
+        x = example_args[0]
+        if isinstance(x, torch.Tensor) and (x.dim() != 4 or x.size(0) < 2):
+            return impls
+    impls.append(
+        Implementation(
+            "chunked", _make_chunked(2), "conv2d run as 2 batch chunks (smaller workspace, same kept tensors)"
+        )
+    )
+    if _on_cuda(target, example_args) and torch.backends.cudnn.is_available():
+        impls.append(
+            Implementation(
+                "cudnn_benchmark",
+                _make_cudnn(True, False),
+                "conv2d with cudnn.benchmark=True (fastest algorithms, larger workspace)",
+            )
+        )
+        impls.append(
+            Implementation(
+                "cudnn_deterministic",
+                _make_cudnn(False, True),
+                "conv2d with cudnn.deterministic=True (deterministic algorithms)",
+            )
+        )
+    return impls
+
+
+IMPLEMENTATION_NAMES = {
+    "conv2d (nn.Conv2d, F.conv2d)": ["default", "chunked", "cudnn_benchmark*", "cudnn_deterministic*"]
+}

@@ -1,0 +1,187 @@
+"""Batch normalization (training) with an output-activated backward; other norms default only.
+
+- "default": the module itself (saves its input, plus per-channel mean/invstd). On recompute the
+  running statistics and num_batches_tracked are left untouched: the kernel runs on throwaway
+  copies of the running buffers, so the output is bitwise identical to the first computation.
+- "output_activated" (training only): as In-Place Activated BatchNorm, backward keeps the OUTPUT
+  y (often kept anyway by the next op) and per-channel invstd, and reconstructs
+  x_hat = (y - bias) / weight. Channels whose weight is exactly 0 cannot be reconstructed; for those
+  channels only, x_hat is saved as well (a per-forward check, which syncs on CUDA).
+  Precision: the reconstruction loses ~|bias/weight| ulps relative to torch's backward; for
+  half/bfloat16 activations the backward is computed in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Implementation
+from .common import bind, first_tensor
+
+BN_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view((1, -1) + (1,) * (ndim - 2))
+
+
+class BatchNormOutputActivated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+        if running_mean is not None:
+            y, _mean, invstd, _reserve = torch.ops.aten._batch_norm_with_update(
+                x, weight, bias, running_mean, running_var, momentum, eps
+            )
+        else:
+            y, _mean, invstd = torch.ops.aten.native_batch_norm(
+                x, weight, bias, None, None, True, momentum, eps
+            )
+        ctx.has_weight = weight is not None
+        ctx.has_bias = bias is not None
+        ctx.x_dtype = x.dtype
+        zero_idx = None
+        xhat_zero = None
+        if weight is not None:
+            zero = weight == 0
+            if bool(zero.any()):
+                zero_idx = zero.nonzero().view(-1)
+                m = _mean.index_select(0, zero_idx)
+                s = invstd.index_select(0, zero_idx)
+                xhat_zero = (x.index_select(1, zero_idx) - _channel_view(m, x.dim())) * _channel_view(
+                    s, x.dim()
+                )
+        ctx.zero = zero_idx is not None
+        saved = [y, invstd, weight, bias]
+        if ctx.zero:
+            saved += [zero_idx, xhat_zero]
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        saved = ctx.saved_tensors
+        y, invstd, weight, bias = saved[:4]
+        nd = y.dim()
+        dims = [0] + list(range(2, nd))
+        count = y.numel() // y.size(1)
+        if weight is not None:
+            w = weight
+            if ctx.zero:
+                w = torch.where(weight == 0, torch.ones_like(weight), weight)
+            xh = y - _channel_view(bias, nd) if bias is not None else y
+            xh = xh / _channel_view(w, nd)
+            if ctx.zero:
+                zero_idx, xhat_zero = saved[4], saved[5]
+                xh = xh.index_copy(1, zero_idx, xhat_zero.to(xh.dtype))
+        else:
+            xh = y if bias is None else y - _channel_view(bias, nd)
+        g_c = g.to(xh.dtype)
+        sum_g = g_c.sum(dims)
+        sum_gx = (g_c * xh).sum(dims)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (
+                g_c - _channel_view(sum_g / count, nd) - xh * _channel_view(sum_gx / count, nd)
+            ) * _channel_view(scale, nd)
+            grad_x = grad_x.to(ctx.x_dtype)
+        if ctx.has_weight and ctx.needs_input_grad[1]:
+            grad_w = sum_gx.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = sum_g.to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _module_bn_state(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
+    """Mirror _BatchNorm.forward: (bn_training, running_mean, running_var, factor), updating the counter
+    only on the first computation."""
+    factor = 0.0 if m.momentum is None else m.momentum
+    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        if not recompute:
+            m.num_batches_tracked.add_(1)
+        factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+    bn_training = m.training or (m.running_mean is None and m.running_var is None)
+    use_stats = not m.training or m.track_running_stats
+    rm = m.running_mean if use_stats else None
+    rv = m.running_var if use_stats else None
+    return bn_training, rm, rv, factor
+
+
+def _module_default(target, args, kwargs, recompute):
+    x = first_tensor(args, kwargs)
+    if not recompute or not target.training or not target.track_running_stats or target.running_mean is None:
+        return target(x)
+    target._check_input_dim(x)
+    bn_training, rm, rv, factor = _module_bn_state(target, recompute=True)
+    return F.batch_norm(
+        x, rm.clone(), rv.clone(), target.weight, target.bias, bn_training, factor, target.eps
+    )
+
+
+def _module_output_activated(target, args, kwargs, recompute):
+    x = first_tensor(args, kwargs)
+    if not target.training:
+        return target(x)
+    target._check_input_dim(x)
+    _, rm, rv, factor = _module_bn_state(target, recompute)
+    if recompute and rm is not None:
+        rm, rv = rm.clone(), rv.clone()
+    return BatchNormOutputActivated.apply(x, target.weight, target.bias, rm, rv, factor, target.eps)
+
+
+def _functional_default(target, args, kwargs, recompute):
+    if not recompute:
+        return target(*args, **kwargs)
+    b = bind(F.batch_norm, args, kwargs)
+    if b["training"] and b["running_mean"] is not None:
+        b["running_mean"] = b["running_mean"].clone()
+        b["running_var"] = b["running_var"].clone() if b["running_var"] is not None else None
+    return F.batch_norm(**b)
+
+
+def _torch_batch_norm_default(target, args, kwargs, recompute):
+    # torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    if recompute and len(args) >= 6 and args[5] and args[3] is not None:
+        args = args[:3] + (args[3].clone(), args[4].clone() if args[4] is not None else None) + args[5:]
+    return target(*args, **kwargs)
+
+
+def matches(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return isinstance(target, BN_MODULES)
+    return op == "call_function" and target in (F.batch_norm, torch.batch_norm)
+
+
+def implementations(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    if op == "call_module":
+        impls = [
+            Implementation(
+                "default",
+                _module_default,
+                "nn.BatchNorm; backward keeps its input (running stats updated once)",
+            )
+        ]
+        if target.training:
+            impls.append(
+                Implementation(
+                    "output_activated",
+                    _module_output_activated,
+                    "batch norm whose backward keeps its output and per-channel invstd (x_hat rebuilt)",
+                )
+            )
+        return impls
+    if target is F.batch_norm:
+        return [Implementation("default", _functional_default, "F.batch_norm (running stats updated once)")]
+    return [
+        Implementation("default", _torch_batch_norm_default, "torch.batch_norm (running stats updated once)")
+    ]
+
+
+IMPLEMENTATION_NAMES = {
+    "batch_norm (nn.BatchNorm1d/2d/3d, training)": ["default", "output_activated"],
+    "batch_norm (eval, F.batch_norm)": ["default"],
+}

@@ -1,0 +1,139 @@
+"""Max pooling (2d) whose backward keeps only compressed argmax offsets; other pools default.
+
+- "default": torch's max_pool2d; backward keeps the input and int64 indices (per output element).
+- "indices": backward keeps, per output element, the argmax's offset inside its kernel window
+  (uint8 when kH*kW <= 256, else int16/int32), built from torch's own indices (so ties resolve
+  exactly as torch does). Backward rebuilds the flat indices and scatter-adds the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+from .base import Implementation
+from .common import out_of_place_default
+
+
+def _offset_dtype(window: int) -> torch.dtype:
+    if window <= 256:
+        return torch.uint8
+    if window <= 32767:
+        return torch.int16
+    return torch.int32
+
+
+def _window_starts(out_hw, stride, padding, device):
+    oh = torch.arange(out_hw[0], device=device).view(-1, 1) * stride[0] - padding[0]
+    ow = torch.arange(out_hw[1], device=device).view(1, -1) * stride[1] - padding[1]
+    return oh, ow
+
+
+class MaxPool2dIndices(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
+        out, idx = torch.ops.aten.max_pool2d_with_indices(
+            x, kernel_size, stride, padding, dilation, ceil_mode
+        )
+        W = x.size(-1)
+        h0, w0 = _window_starts(out.shape[-2:], stride, padding, x.device)
+        ih = torch.div(idx, W, rounding_mode="floor")
+        iw = idx - ih * W
+        kh = torch.div(ih - h0, dilation[0], rounding_mode="floor")
+        kw = torch.div(iw - w0, dilation[1], rounding_mode="floor")
+        off = (kh * kernel_size[1] + kw).to(_offset_dtype(kernel_size[0] * kernel_size[1]))
+        del idx, ih, iw, kh, kw
+        ctx.params = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+        ctx.in_shape = x.shape
+        ctx.save_for_backward(off)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (off,) = ctx.saved_tensors
+        kernel_size, stride, padding, dilation = ctx.params
+        H, W = ctx.in_shape[-2:]
+        h0, w0 = _window_starts(g.shape[-2:], stride, padding, g.device)
+        off = off.long()
+        kh = torch.div(off, kernel_size[1], rounding_mode="floor")
+        kw = off - kh * kernel_size[1]
+        idx = (h0 + kh * dilation[0]) * W + (w0 + kw * dilation[1])
+        del off, kh, kw
+        lead = g.shape[:-2]
+        grad_in = g.new_zeros(lead + (H * W,))
+        grad_in.scatter_add_(-1, idx.reshape(lead + (-1,)), g.reshape(lead + (-1,)))
+        return grad_in.view(ctx.in_shape), None, None, None, None, None
+
+
+def max_pool2d_indices(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
+    kernel_size = _pair(kernel_size)
+    stride = (
+        kernel_size
+        if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0)
+        else _pair(stride)
+    )
+    return MaxPool2dIndices.apply(x, kernel_size, stride, _pair(padding), _pair(dilation), bool(ceil_mode))
+
+
+_FUNCTIONS = (F.max_pool2d, torch.max_pool2d)
+_PARAM_NAMES = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_PARAM_DEFAULTS = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False}
+
+
+def _functional_params(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
+    x = args[0] if args else kwargs["input"]
+    p = dict(_PARAM_DEFAULTS)
+    p.update(dict(zip(_PARAM_NAMES, args[1:])))
+    p.update({k: v for k, v in kwargs.items() if k != "input"})
+    return x, p
+
+
+def _run_indices(target, args, kwargs, recompute):
+    if isinstance(target, nn.Module):
+        x = args[0] if args else kwargs["input"]
+        return max_pool2d_indices(
+            x, target.kernel_size, target.stride, target.padding, target.dilation, target.ceil_mode
+        )
+    x, p = _functional_params(args, kwargs)
+    if p["return_indices"]:
+        return target(*args, **kwargs)
+    return max_pool2d_indices(x, p["kernel_size"], p["stride"], p["padding"], p["dilation"], p["ceil_mode"])
+
+
+def matches(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return isinstance(target, nn.MaxPool2d)
+    return op == "call_function" and any(target is f for f in _FUNCTIONS)
+
+
+def implementations(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    default = out_of_place_default(op, target)
+    default = Implementation("default", default.run, "torch max_pool2d; backward keeps input + int64 indices")
+    if op == "call_module":
+        returns_indices = target.return_indices
+    else:
+        try:
+            returns_indices = bool(
+                _functional_params(tuple(example_args or ()) or (None,), dict(example_kwargs or {}))[1][
+                    "return_indices"
+                ]
+            )
+        except Exception:
+            returns_indices = True  # cannot tell: stay safe
+    if returns_indices:
+        return [default]
+    return [
+        default,
+        Implementation(
+            "indices",
+            _run_indices,
+            "max_pool2d whose backward keeps only the argmax offset in its window (uint8)",
+        ),
+    ]
+
+
+IMPLEMENTATION_NAMES = {"max_pool2d (nn.MaxPool2d, F.max_pool2d)": ["default", "indices"]}

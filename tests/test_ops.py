@@ -1,0 +1,690 @@
+"""Every implementation in monet_opt.ops against the reference op: values, gradients, what it keeps."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monet_opt.ops import describe_registry, implementations_for
+from monet_opt.ops.activation import hardtanh_bitmask, relu_bitmask
+from monet_opt.ops.attention import query_chunked_attention
+from monet_opt.ops.common import pack_bits, unpack_bits
+from monet_opt.ops.conv import conv2d_chunked
+from monet_opt.ops.elementwise import dropout_bitmask
+from monet_opt.ops.pool import max_pool2d_indices
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def impls(op, target, example_args=None, example_kwargs=None):
+    return {i.name: i for i in implementations_for(op, target, example_args, example_kwargs)}
+
+
+def saved_bytes(fn, params=()):
+    """Run fn() recording tensors saved for backward: bytes deduplicated by storage, params excluded."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def grads_of(out, tensors, grad_out):
+    return torch.autograd.grad(out, tensors, grad_out, allow_unused=True)
+
+
+def assert_close_all(a, b, rtol=RTOL, atol=ATOL):
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def leaf(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+
+def run(impl, target, args, kwargs=None, recompute=False):
+    return impl.run(target, tuple(args), dict(kwargs or {}), recompute)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_registry_first_is_default_and_listing():
+    rows = describe_registry()
+    assert rows and all(isinstance(n, str) and names[0] == "default" for n, names in rows)
+    cases = [
+        ("call_module", nn.ReLU(inplace=True)),
+        ("call_module", nn.BatchNorm2d(3)),
+        ("call_module", nn.MaxPool2d(2)),
+        ("call_module", nn.Conv2d(3, 4, 3)),
+        ("call_module", nn.Linear(3, 4)),
+        ("call_module", nn.Dropout(0.1)),
+        ("call_module", nn.LayerNorm(3)),
+        ("call_function", F.scaled_dot_product_attention),
+        ("call_function", operator.add),
+        ("call_method", "view"),
+        ("call_method", "add_"),
+        ("call_module", nn.Identity()),
+    ]
+    for op, target in cases:
+        names = [i.name for i in implementations_for(op, target)]
+        assert names[0] == "default" and len(set(names)) == len(names)
+    assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask"]
+    assert list(impls("call_module", nn.MaxPool2d(3, 2, 1))) == ["default", "indices"]
+    assert list(impls("call_module", nn.MaxPool2d(2, return_indices=True))) == ["default"]
+    bn = nn.BatchNorm2d(3)
+    assert list(impls("call_module", bn)) == ["default", "output_activated"]
+    assert list(impls("call_module", bn.eval())) == ["default"]
+    assert list(impls("call_module", nn.Dropout(0.3).eval())) == ["default"]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
+def test_pack_bits_roundtrip(n):
+    m = torch.rand(n) > 0.5
+    p = pack_bits(m)
+    assert p.dtype == torch.uint8 and p.numel() == (n + 7) // 8
+    assert torch.equal(unpack_bits(p, n, m.shape), m)
+    m2 = torch.rand(3, 5, 7) > 0.3
+    assert torch.equal(unpack_bits(pack_bits(m2), m2.numel(), m2.shape), m2)
+
+
+# ----------------------------------------------------------------------------- in-place handling
+
+INPLACE_CASES = [
+    ("call_module", nn.ReLU(inplace=True), lambda x: (x,), {}, torch.relu),
+    ("call_module", nn.ReLU6(inplace=True), lambda x: (x,), {}, F.relu6),
+    ("call_module", nn.Hardswish(inplace=True), lambda x: (x,), {}, F.hardswish),
+    ("call_module", nn.SiLU(inplace=True), lambda x: (x,), {}, F.silu),
+    ("call_module", nn.LeakyReLU(0.2, inplace=True), lambda x: (x,), {}, lambda x: F.leaky_relu(x, 0.2)),
+    ("call_function", F.relu, lambda x: (x,), {"inplace": True}, torch.relu),
+    ("call_function", F.relu, lambda x: (x, True), {}, torch.relu),
+    ("call_function", F.hardtanh, lambda x: (x, -0.5, 0.5, True), {}, lambda x: F.hardtanh(x, -0.5, 0.5)),
+    ("call_function", F.silu, lambda x: (x,), {"inplace": True}, F.silu),
+    ("call_function", torch.relu_, lambda x: (x,), {}, torch.relu),
+    ("call_function", F.relu_, lambda x: (x,), {}, torch.relu),
+    ("call_function", torch.sigmoid_, lambda x: (x,), {}, torch.sigmoid),
+    ("call_function", operator.iadd, lambda x: (x, 1.5), {}, lambda x: x + 1.5),
+    ("call_function", operator.imul, lambda x: (x, 2.0), {}, lambda x: x * 2.0),
+    ("call_method", "relu_", lambda x: (x,), {}, torch.relu),
+    ("call_method", "add_", lambda x: (x, 2.0), {"alpha": 3}, lambda x: x + 6.0),
+    ("call_method", "clamp_", lambda x: (x, -0.1, 0.1), {}, lambda x: x.clamp(-0.1, 0.1)),
+    ("call_method", "fill_", lambda x: (x, 3.0), {}, lambda x: torch.full_like(x, 3.0)),
+    ("call_method", "__iadd__", lambda x: (x, 1.0), {}, lambda x: x + 1.0),
+    ("call_function", F.dropout, lambda x: (x, 0.0, True, True), {}, lambda x: x),
+]
+
+
+@pytest.mark.parametrize(
+    "op,target,make_args,kwargs,ref", INPLACE_CASES, ids=[str(c[1])[:30] for c in INPLACE_CASES]
+)
+def test_inplace_ops_run_out_of_place(op, target, make_args, kwargs, ref):
+    x = torch.randn(4, 6)
+    before = x.clone()
+    for impl in implementations_for(op, target):
+        y = run(impl, target, make_args(x), kwargs)
+        assert torch.equal(x, before), f"{impl.name} mutated its input"
+        torch.testing.assert_close(y, ref(before), rtol=0, atol=0)
+    if isinstance(target, nn.Module):
+        assert target.inplace is True  # the module's flag is restored
+
+
+def test_inplace_default_gradients():
+    x = leaf(4, 6)
+    y = implementations_for("call_module", nn.ReLU(inplace=True))[0].run(
+        nn.ReLU(inplace=True), (x * 1,), {}, False
+    )
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, (x > 0).float())
+    a = leaf(3, 3)
+    b = leaf(3, 3, seed=1)
+    y = implementations_for("call_function", operator.iadd)[0].run(operator.iadd, (a, b), {}, False)
+    ga, gb = torch.autograd.grad((y * y).sum(), (a, b))
+    torch.testing.assert_close(ga, 2 * (a + b))
+    torch.testing.assert_close(gb, 2 * (a + b))
+
+
+def test_unknown_op_default():
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(run(implementations_for("call_method", "flatten")[0], "flatten", (x, 1)), x.flatten(1))
+    assert torch.equal(
+        run(implementations_for("call_function", torch.cat)[0], torch.cat, ([x, x], 1)), torch.cat([x, x], 1)
+    )
+    sm = implementations_for("call_function", F.softmax)[0]
+    assert torch.equal(run(sm, F.softmax, (x,), {"dim": -1}), F.softmax(x, dim=-1))
+
+
+# ----------------------------------------------------------------------------- ReLU / Hardtanh
+
+
+RELU_TARGETS = [
+    ("call_module", nn.ReLU()),
+    ("call_module", nn.ReLU(inplace=True)),
+    ("call_function", F.relu),
+    ("call_function", torch.relu),
+    ("call_function", torch.relu_),
+    ("call_method", "relu"),
+    ("call_method", "relu_"),
+]
+
+
+@pytest.mark.parametrize("op,target", RELU_TARGETS, ids=[str(t) for _, t in RELU_TARGETS])
+def test_relu_implementations_match(op, target):
+    x0 = torch.randn(2, 3, 5, 7)
+    x0[0, 0, 0, :3] = 0.0  # exact zeros: gradient 0 like torch
+    x0[0, 0, 1, 0] = float("nan")
+    x = x0.clone().requires_grad_()
+    ref = torch.relu(x)
+    g = torch.randn_like(ref)
+    ref_g = grads_of(ref, [x], g)
+    found = impls(op, target)
+    assert set(found) == {"default", "bitmask"}
+    for impl in found.values():
+        xi = x0.clone().requires_grad_()
+        y = run(impl, target, (xi,))
+        assert torch.equal(y.isnan(), ref.isnan())
+        assert torch.equal(y.nan_to_num(), ref.nan_to_num())
+        (gi,) = grads_of(y, [xi], g)
+        assert torch.equal(gi, ref_g[0]), impl.name
+        assert torch.equal(xi, x0.clone().requires_grad_()) or torch.equal(xi.nan_to_num(), x0.nan_to_num())
+
+
+def test_relu_bitmask_gradcheck():
+    x = torch.randn(3, 11, dtype=torch.float64)
+    x = (x + 0.05 * x.sign()).requires_grad_()  # keep away from the kink
+    assert torch.autograd.gradcheck(relu_bitmask, (x,))
+
+
+def test_relu_bitmask_saves_one_thirtysecond():
+    target = nn.ReLU(inplace=True)
+    found = impls("call_module", target)
+    x = torch.randn(8, 64, 28, 28, requires_grad=True)
+    d, _ = saved_bytes(lambda: run(found["default"], target, (x,)))
+    b, _ = saved_bytes(lambda: run(found["bitmask"], target, (x,)))
+    assert d == x.numel() * 4
+    assert b == x.numel() // 8
+    assert b * 32 == d
+
+
+@pytest.mark.parametrize(
+    "op,target,args,lo,hi",
+    [
+        ("call_module", nn.ReLU6(inplace=True), (), 0.0, 6.0),
+        ("call_module", nn.Hardtanh(-2.0, 1.5), (), -2.0, 1.5),
+        ("call_function", F.relu6, (), 0.0, 6.0),
+        ("call_function", F.hardtanh, (-0.5, 0.5), -0.5, 0.5),
+    ],
+)
+def test_hardtanh_bitmask(op, target, args, lo, hi):
+    x0 = torch.randn(4, 8, 9) * 4
+    x0[0, 0, :4] = torch.tensor([lo, hi, 0.0, 6.0])
+    ref_x = x0.clone().requires_grad_()
+    ref = F.hardtanh(ref_x, lo, hi)
+    g = torch.randn_like(ref)
+    (ref_g,) = grads_of(ref, [ref_x], g)
+    found = impls(op, target)
+    assert set(found) == {"default", "bitmask"}
+    for impl in found.values():
+        xi = x0.clone().requires_grad_()
+        y = run(impl, target, (xi,) + args)
+        assert torch.equal(y, ref)
+        (gi,) = grads_of(y, [xi], g)
+        assert torch.equal(gi, ref_g)
+    xi = x0.clone().requires_grad_()
+    d, _ = saved_bytes(lambda: run(found["default"], target, (xi,) + args))
+    b, _ = saved_bytes(lambda: run(found["bitmask"], target, (xi,) + args))
+    assert b * 32 == d
+
+
+def test_hardtanh_bitmask_gradcheck():
+    x = (torch.rand(5, 7, dtype=torch.float64) * 8 - 1).requires_grad_()
+    x = (
+        x.detach()
+        .masked_fill((x - 0).abs() < 0.05, 0.3)
+        .masked_fill((x - 6).abs() < 0.05, 5.5)
+        .requires_grad_()
+    )
+    assert torch.autograd.gradcheck(lambda t: hardtanh_bitmask(t, 0.0, 6.0), (x,))
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+def _bn_pair(cls=nn.BatchNorm2d, c=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = cls(c, **kw)
+    if ref.affine:
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-0.5, 0.5)
+    mine = cls(c, **kw)
+    mine.load_state_dict(ref.state_dict())
+    return ref, mine
+
+
+def _bn_state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+BN_CONFIGS = [
+    (nn.BatchNorm2d, (6, 4, 5, 7), {}),
+    (nn.BatchNorm2d, (6, 4, 5, 7), {"momentum": None}),
+    (nn.BatchNorm2d, (6, 4, 5, 7), {"affine": False}),
+    (nn.BatchNorm2d, (6, 4, 5, 7), {"track_running_stats": False}),
+    (nn.BatchNorm1d, (10, 4), {}),
+    (nn.BatchNorm1d, (5, 4, 9), {}),
+    (nn.BatchNorm3d, (2, 4, 3, 4, 5), {}),
+]
+
+
+@pytest.mark.parametrize("name", ["default", "output_activated"])
+@pytest.mark.parametrize("cls,shape,kw", BN_CONFIGS, ids=[f"{c.__name__}-{k}" for c, _, k in BN_CONFIGS])
+def test_batchnorm_train(name, cls, shape, kw):
+    ref, mine = _bn_pair(cls, **kw)
+    impl = impls("call_module", mine)[name]
+    x0 = torch.randn(*shape) * 2 + 0.5
+    params_ref = [p for p in ref.parameters()]
+    params_mine = [p for p in mine.parameters()]
+    for step in range(2):  # two steps: the cumulative-average momentum path changes with the count
+        xr = (x0 + step).requires_grad_()
+        xm = (x0 + step).requires_grad_()
+        yr = ref(xr)
+        ym = run(impl, mine, (xm,))
+        torch.testing.assert_close(ym, yr, rtol=0, atol=1e-6)
+        g = torch.randn_like(yr)
+        gr = grads_of(yr, [xr] + params_ref, g)
+        gm = grads_of(ym, [xm] + params_mine, g)
+        assert_close_all(gm, gr, rtol=1e-4, atol=1e-5)
+        for k, v in ref.state_dict().items():
+            assert torch.equal(mine.state_dict()[k], v), k
+        # recompute: bitwise identical output, running statistics and counter untouched
+        state = _bn_state(mine)
+        y2 = run(impl, mine, ((x0 + step).requires_grad_(),), recompute=True)
+        assert torch.equal(y2, ym)
+        for k, v in mine.state_dict().items():
+            assert torch.equal(v, state[k]), k
+
+
+def test_batchnorm_default_first_compute_bitwise_equals_module():
+    ref, mine = _bn_pair()
+    x = torch.randn(4, 4, 6, 6)
+    assert torch.equal(run(impls("call_module", mine)["default"], mine, (x,)), ref(x))
+
+
+def test_batchnorm_eval_default():
+    ref, mine = _bn_pair()
+    ref.running_mean.uniform_(-1, 1)
+    mine.load_state_dict(ref.state_dict())
+    ref.eval()
+    mine.eval()
+    (impl,) = implementations_for("call_module", mine)
+    x = torch.randn(3, 4, 5, 5)
+    assert torch.equal(run(impl, mine, (x,)), ref(x))
+    assert torch.equal(run(impl, mine, (x,), recompute=True), ref(x))
+
+
+def test_functional_batchnorm_recompute():
+    rm, rv = torch.zeros(4), torch.ones(4)
+    (impl,) = implementations_for("call_function", F.batch_norm)
+    x = torch.randn(3, 4, 5, 5)
+    y = run(impl, F.batch_norm, (x, rm, rv), {"training": True})
+    rm1, rv1 = rm.clone(), rv.clone()
+    assert not torch.equal(rm1, torch.zeros(4))
+    y2 = run(impl, F.batch_norm, (x, rm, rv), {"training": True}, recompute=True)
+    assert torch.equal(y, y2) and torch.equal(rm, rm1) and torch.equal(rv, rv1)
+
+
+def test_batchnorm_output_activated_gradcheck():
+    bn = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.7, -1.3, 2.0]))
+        bn.bias.copy_(torch.tensor([0.1, 0.4, -0.3]))
+    impl = impls("call_module", bn)["output_activated"]
+    x = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    w = bn.weight
+    b = bn.bias
+
+    def f(x, w, b):
+        from monet_opt.ops.norm import BatchNormOutputActivated
+
+        return BatchNormOutputActivated.apply(x, w, b, None, None, 0.1, 1e-5)
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert run(impl, bn, (x,)).dtype == torch.float64
+
+
+def test_batchnorm_output_activated_zero_weight_channel():
+    ref, mine = _bn_pair()
+    with torch.no_grad():
+        ref.weight[1] = 0.0
+        mine.weight[1] = 0.0
+    x = torch.randn(4, 4, 5, 5)
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr = ref(xr)
+    ym = run(impls("call_module", mine)["output_activated"], mine, (xm,))
+    g = torch.randn_like(yr)
+    assert_close_all(
+        grads_of(ym, [xm, mine.weight, mine.bias], g),
+        grads_of(yr, [xr, ref.weight, ref.bias], g),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def test_batchnorm_saved_bytes():
+    bn = nn.BatchNorm2d(16)
+    found = impls("call_module", bn)
+    x = torch.randn(8, 16, 14, 14, requires_grad=True)
+    params = list(bn.parameters())
+    d, _ = saved_bytes(lambda: run(found["default"], bn, (x,)), params)
+    o, y = saved_bytes(lambda: run(found["output_activated"], bn, (x,)), params)
+    act = x.numel() * 4
+    assert act <= d <= act + 1024  # input + mean/invstd
+    assert act <= o <= act + 1024  # output + invstd
+    # the output-activated version keeps its own output, not the input
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        y = run(found["output_activated"], bn, (x,))
+    assert any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in seen)
+    assert not any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in seen)
+
+
+# ----------------------------------------------------------------------------- MaxPool2d
+
+POOL_CONFIGS = [
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=2),
+    dict(kernel_size=3, stride=2, ceil_mode=True),
+    dict(kernel_size=(3, 2), stride=(1, 2), padding=(1, 0), dilation=(2, 1)),
+    dict(kernel_size=17, stride=1, padding=8),  # 289-element window: int16 offsets
+]
+
+
+@pytest.mark.parametrize("cfg", POOL_CONFIGS, ids=[str(c) for c in POOL_CONFIGS])
+def test_maxpool_implementations_match(cfg):
+    pool = nn.MaxPool2d(**cfg)
+    x0 = torch.randn(2, 3, 19, 18)
+    x0[0, 0, :4, :4] = 1.0  # ties: must resolve as torch does
+    xr = x0.clone().requires_grad_()
+    ref = pool(xr)
+    g = torch.randn_like(ref)
+    (ref_g,) = grads_of(ref, [xr], g)
+    for impl in impls("call_module", pool).values():
+        xi = x0.clone().requires_grad_()
+        y = run(impl, pool, (xi,))
+        assert torch.equal(y, ref)
+        (gi,) = grads_of(y, [xi], g)
+        torch.testing.assert_close(gi, ref_g, rtol=RTOL, atol=ATOL)
+
+
+def test_maxpool_functional_and_unbatched():
+    found = impls("call_function", F.max_pool2d)
+    x = torch.randn(3, 10, 10, requires_grad=True)  # unbatched (C, H, W)
+    ref = F.max_pool2d(x, 3, 2, 1)
+    g = torch.randn_like(ref)
+    (ref_g,) = grads_of(ref, [x], g)
+    y = run(found["indices"], F.max_pool2d, (x, 3, 2, 1))
+    assert torch.equal(y, ref)
+    torch.testing.assert_close(grads_of(y, [x], g)[0], ref_g)
+    y = run(found["indices"], F.max_pool2d, (x,), {"kernel_size": 2, "return_indices": True})
+    assert isinstance(y, tuple)  # falls back to torch when indices are returned
+
+
+def test_maxpool_indices_gradcheck():
+    x = torch.randperm(2 * 3 * 9 * 9, dtype=torch.float64).view(2, 3, 9, 9).div(10).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: max_pool2d_indices(t, 3, 2, 1), (x,))
+
+
+def test_maxpool_indices_saves_less():
+    pool = nn.MaxPool2d(3, 2, 1)
+    found = impls("call_module", pool)
+    x = torch.randn(8, 64, 56, 56, requires_grad=True)
+    d, y = saved_bytes(lambda: run(found["default"], pool, (x,)))
+    i, _ = saved_bytes(lambda: run(found["indices"], pool, (x,)))
+    assert d == x.numel() * 4 + y.numel() * 8
+    assert i == y.numel()  # one uint8 per output element
+    assert i * 20 < d
+
+
+# ----------------------------------------------------------------------------- Conv2d
+
+CONV_CONFIGS = [
+    dict(in_channels=3, out_channels=5, kernel_size=3, padding=1),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, bias=False),
+    dict(in_channels=4, out_channels=8, kernel_size=(3, 1), padding=(1, 0), dilation=2, groups=2),
+    dict(in_channels=4, out_channels=4, kernel_size=3, padding="same"),
+    dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONV_CONFIGS, ids=[str(c) for c in CONV_CONFIGS])
+@pytest.mark.parametrize("batch", [5, 1])
+def test_conv_implementations_match(cfg, batch):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(**cfg)
+    x0 = torch.randn(batch, cfg["in_channels"], 11, 10)
+    xr = x0.clone().requires_grad_()
+    ref = conv(xr)
+    g = torch.randn_like(ref)
+    params = list(conv.parameters())
+    ref_g = grads_of(ref, [xr] + params, g)
+    found = impls("call_module", conv)
+    chunkable = cfg.get("padding_mode", "zeros") == "zeros" and not isinstance(cfg.get("padding"), str)
+    assert ("chunked" in found) == chunkable
+    for impl in found.values():
+        xi = x0.clone().requires_grad_()
+        y = run(impl, conv, (xi,))
+        torch.testing.assert_close(y, ref, rtol=RTOL, atol=ATOL)
+        assert_close_all(grads_of(y, [xi] + params, g), ref_g, rtol=RTOL, atol=1e-5)
+
+
+def test_conv_functional_and_channels_last():
+    found = impls("call_function", F.conv2d)
+    w = torch.randn(6, 3, 3, 3, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    ref = F.conv2d(x, w, b, 1, 1)
+    g = torch.randn_like(ref)
+    y = run(found["chunked"], F.conv2d, (x, w, b), {"padding": 1})
+    torch.testing.assert_close(y, ref, rtol=RTOL, atol=ATOL)
+    assert_close_all(grads_of(y, [x, w, b], g), grads_of(ref, [x, w, b], g), rtol=RTOL, atol=1e-5)
+
+
+def test_conv_chunked_gradcheck():
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: conv2d_chunked(x, w, b, 2, 1), (x, w, b))
+
+
+def test_conv_chunked_keeps_same_tensors():
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    found = impls("call_module", conv)
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    d, _ = saved_bytes(lambda: run(found["default"], conv, (x,)), conv.parameters())
+    c, _ = saved_bytes(lambda: run(found["chunked"], conv, (x,)), conv.parameters())
+    assert d == c == x.numel() * 4
+
+
+# ----------------------------------------------------------------------------- attention
+
+SDPA = F.scaled_dot_product_attention
+
+
+def _qkv(b=2, h=3, lq=13, lk=11, e=8, dtype=torch.float32, hk=None):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, lq, e, generator=g, dtype=dtype)
+    k = torch.randn(b, hk or h, lk, e, generator=g, dtype=dtype)
+    v = torch.randn(b, hk or h, lk, e, generator=g, dtype=dtype)
+    return q, k, v
+
+
+ATTN_CASES = [
+    ("plain", {}, {}),
+    ("causal_square", {"lk": 13}, {"is_causal": True}),
+    ("causal_rect", {"lq": 9, "lk": 15}, {"is_causal": True}),
+    ("bool_mask", {}, {"attn_mask": "bool"}),
+    ("float_mask_bcast", {}, {"attn_mask": "float_row"}),
+    ("scale", {}, {"scale": 0.3}),
+    ("gqa", {"h": 4, "hk": 2}, {"enable_gqa": True}),
+]
+
+
+def _make_kwargs(kw, lq, lk):
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        m = torch.rand(lq, lk, generator=torch.Generator().manual_seed(1)) > 0.3
+        m[:, 0] = True
+        kw["attn_mask"] = m
+    elif kw.get("attn_mask") == "float_row":
+        kw["attn_mask"] = torch.randn(2, 1, 1, lk)
+    return kw
+
+
+@pytest.mark.parametrize("case,shape,kw", ATTN_CASES, ids=[c[0] for c in ATTN_CASES])
+def test_attention_implementations_match(case, shape, kw):
+    q0, k0, v0 = _qkv(**shape)
+    kw = _make_kwargs(kw, q0.size(-2), k0.size(-2))
+    ref_in = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+    ref = SDPA(*ref_in, **kw)
+    g = torch.randn_like(ref)
+    ref_g = grads_of(ref, ref_in, g)
+    found = impls("call_function", SDPA, (q0, k0, v0), kw)
+    assert {"default", "math", "query_chunked"} <= set(found)
+    for impl in found.values():
+        ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+        y = run(impl, SDPA, ins, kw)
+        torch.testing.assert_close(y, ref, rtol=RTOL, atol=1e-5)
+        assert_close_all(grads_of(y, ins, g), ref_g, rtol=RTOL, atol=1e-5)
+
+
+def test_attention_chunked_gradcheck():
+    q, k, v = (t.double().requires_grad_() for t in _qkv(b=1, h=2, lq=7, lk=7, e=4))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: query_chunked_attention(q, k, v, is_causal=True), (q, k, v)
+    )
+    m = torch.randn(7, 7, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: query_chunked_attention(q, k, v, attn_mask=m), (q, k, v))
+
+
+def test_attention_dropout_only_default():
+    q, k, v = _qkv()
+    assert list(impls("call_function", SDPA, (q, k, v), {"dropout_p": 0.1})) == ["default"]
+    m = torch.randn(13, 11, requires_grad=True)
+    assert list(impls("call_function", SDPA, (q, k, v, m))) == ["default"]
+
+
+def test_attention_math_keeps_matrix_chunked_does_not():
+    b, h, L, e = 2, 4, 256, 16
+    q0, k0, v0 = _qkv(b, h, L, L, e)
+    found = impls("call_function", SDPA, (q0, k0, v0))
+    ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+    qkv_bytes = 3 * q0.numel() * 4
+    attn_bytes = b * h * L * L * 4
+    m, _ = saved_bytes(lambda: run(found["math"], SDPA, ins))
+    c, _ = saved_bytes(lambda: run(found["query_chunked"], SDPA, ins))
+    assert m >= attn_bytes  # the softmax matrix is kept
+    assert c == qkv_bytes  # only q, k, v
+    assert c < m / 4
+
+
+def test_attention_chunked_backward_peak_lower_than_math():
+    """Peak allocation during forward+backward (profiler memory events) is lower with chunking."""
+    b, h, L, e = 1, 4, 512, 16
+    q0, k0, v0 = _qkv(b, h, L, L, e)
+    found = impls("call_function", SDPA, (q0, k0, v0))
+
+    def peak(impl):
+        ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            y = run(impl, SDPA, ins)
+            y.backward(torch.ones_like(y))
+            del y
+        events = sorted(
+            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+            key=lambda ev: ev.start_ns(),
+        )
+        cur = top = 0
+        for ev in events:
+            cur += ev.nbytes()
+            top = max(top, cur)
+        return top
+
+    attn = b * h * L * L * 4
+    pm, pc = peak(found["math"]), peak(found["query_chunked"])
+    assert pm > attn
+    assert pc < pm / 2
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+DROPOUT_TARGETS = [
+    ("call_module", nn.Dropout(0.3), ()),
+    ("call_module", nn.Dropout(0.3, inplace=True), ()),
+    ("call_function", F.dropout, (0.3, True)),
+    ("call_function", F.dropout, (0.3, True, True)),
+]
+
+
+@pytest.mark.parametrize(
+    "op,target,extra", DROPOUT_TARGETS, ids=[str(i) for i in range(len(DROPOUT_TARGETS))]
+)
+def test_dropout_implementations_match(op, target, extra):
+    x0 = torch.randn(4, 5, 33)
+    torch.manual_seed(123)
+    xr = x0.clone().requires_grad_()
+    ref = F.dropout(xr, 0.3, True)
+    g = torch.randn_like(ref)
+    (ref_g,) = grads_of(ref, [xr], g)
+    found = impls(op, target)
+    assert set(found) == {"default", "mask_bitmask"}
+    for impl in found.values():
+        xi = x0.clone().requires_grad_()
+        torch.manual_seed(123)
+        y = run(impl, target, (xi,) + extra)
+        assert torch.equal(xi, x0)
+        assert torch.equal(y, ref), impl.name
+        (gi,) = grads_of(y, [xi], g)
+        assert torch.equal(gi, ref_g)
+
+
+def test_dropout_bitmask_saves_one_thirtysecond_and_eval():
+    x = torch.randn(16, 1024, requires_grad=True)
+    found = impls("call_module", nn.Dropout(0.1))
+    d, _ = saved_bytes(lambda: run(found["default"], nn.Dropout(0.1), (x,)))
+    b, _ = saved_bytes(lambda: run(found["mask_bitmask"], nn.Dropout(0.1), (x,)))
+    assert d == x.numel() * 4  # CPU: the float scaled noise
+    assert b * 32 == d
+    assert torch.equal(dropout_bitmask(x, 0.5, training=False), x)
+    ev = nn.Dropout(0.5).eval()
+    assert torch.equal(run(found["mask_bitmask"], ev, (x,)), x)
+
+
+def test_dropout_bitmask_gradcheck():
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        torch.manual_seed(0)
+        return dropout_bitmask(t, 0.4)
+
+    assert torch.autograd.gradcheck(f, (x,))
