@@ -215,15 +215,14 @@ class _Tracer(fx.Tracer):
             self._path_stack.pop()
 
 
-class _LeafRoot(nn.Module):
-    """Wraps a root that must stay whole (a torch.nn module) so it becomes one node."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any) -> Any:
-        return self.inner(*args)
+def _leaf_root(model: nn.Module, n_inputs: int) -> fx.GraphModule:
+    """A root that must stay whole (a torch.nn module) becomes one call_module node."""
+    holder = nn.Module()
+    holder.add_module("inner", model)
+    graph = fx.Graph()
+    args = tuple(graph.placeholder(f"x{i}") for i in range(n_inputs))
+    graph.output(graph.call_module("inner", args))
+    return fx.GraphModule(holder, graph, type(model).__name__)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -308,6 +307,10 @@ def _symbolic_trace(
                 f"{_first_line(exc)}. {_fix_hint(exc, path)}",
                 module_path=path or "",
             ) from exc
+        # fx guards bound default arguments with _assert_is_none nodes: not operators
+        for n in list(graph.nodes):
+            if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
+                graph.erase_node(n)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         return gm, auto
     raise TraceError("tracing did not converge while marking untraceable submodules as leaves")
@@ -321,13 +324,18 @@ def _first_line(exc: BaseException) -> str:
 def _fix_hint(exc: BaseException, path: str | None) -> str:
     msg = str(exc)
     hint = ""
-    if "control flow" in msg or "bool" in msg.lower():
+    if "cannot be used as inputs to control flow" in msg:
         hint = (
             "This is data-dependent Python control flow (an `if`/`while` on a tensor value), "
             "which a static graph cannot capture. "
         )
-    elif "iterate" in msg or "len(" in msg or "len" in msg:
-        hint = "Iterating over or taking len() of a traced tensor is not supported. "
+    elif "cannot be iterated" in msg or "len(" in msg or "'len'" in msg:
+        hint = (
+            "Iterating over, unpacking (*args) or taking len() of a traced tensor is not "
+            "supported by torch.fx. "
+        )
+    elif ".item()" in msg or "tolist" in msg or "not supported" in msg:
+        hint = "Reading tensor values into Python (.item(), .tolist(), int()) is not supported. "
     where = f"module {path!r}" if path else "the root forward"
     return (
         hint + f"Fix: move the offending code of {where} into its own submodule and pass its path "
@@ -538,7 +546,7 @@ class _Measure(fx.Interpreter):
 def _as_tuple(example_inputs: Any) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
-    if isinstance(example_inputs, (list, tuple)):
+    if isinstance(example_inputs, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in example_inputs):
         return tuple(example_inputs)
     raise TypeError(
         f"example_inputs must be a tensor or a tuple of tensors, not {type(example_inputs).__name__}"
@@ -663,11 +671,10 @@ def trace(
     leaf_paths = {m for m in leaf_modules if isinstance(m, str)}
     leaf_types = KNOWN_LEAF_TYPES + tuple(m for m in leaf_modules if isinstance(m, type))
 
-    root = model
-    probe = _Tracer(set(), leaf_types)
-    if probe.is_leaf_module(model, ""):
-        root = _LeafRoot(model)  # a torch.nn module (or known-bad type) as root: one node
-    gm, auto_leaves = _symbolic_trace(root, len(inputs), leaf_paths, leaf_types, leaf_fallback)
+    if _Tracer(set(), leaf_types).is_leaf_module(model, ""):
+        gm, auto_leaves = _leaf_root(model, len(inputs)), []
+    else:
+        gm, auto_leaves = _symbolic_trace(model, len(inputs), leaf_paths, leaf_types, leaf_fallback)
     gm.train(model.training)
 
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]

@@ -1,0 +1,371 @@
+"""monet_opt.graph: tracing, per-node facts, fingerprints, trace errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from monet_opt.graph import OpGraph, TraceError, trace
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models as M  # noqa: E402
+
+# OpNode counts must stay in these ranges (measured: resnet18 69, resnet50 175,
+# vgg11 30, googlenet 197, mobilenet_v2 153, vit_b_16 232, gpt 73).
+NODE_RANGES = {
+    "resnet18": (60, 80),
+    "resnet50": (150, 200),
+    "vgg11": (25, 40),
+    "googlenet": (170, 230),
+    "mobilenet_v2": (130, 180),
+    "vit_b_16": (180, 300),
+    "gpt": (50, 100),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(M.ALL))
+def traced(request):
+    name = request.param
+    model, x = M.ALL[name]()
+    model.train()
+    g = trace(model, x)
+    return name, model, x, g
+
+
+def _flatten_meta(meta) -> list[tuple[int, ...]]:
+    if meta is None:
+        return []
+    if isinstance(meta, TensorMetadata):
+        return [tuple(meta.shape)]
+    if isinstance(meta, (list, tuple)):
+        return [s for m in meta for s in _flatten_meta(m)]
+    if isinstance(meta, dict):
+        return [s for m in meta.values() for s in _flatten_meta(m)]
+    return []
+
+
+def _outputs(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _outputs(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _outputs(o)]
+    return []
+
+
+def test_traced_output_equals_eager(traced):
+    name, model, x, g = traced
+    assert isinstance(g, OpGraph)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        expected = model(x)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        got = g.gm(x)
+    for a, b in zip(_outputs(got), _outputs(expected), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_node_counts_and_structure(traced):
+    name, model, x, g = traced
+    lo, hi = NODE_RANGES[name]
+    assert lo <= len(g.nodes) <= hi, f"{name}: {len(g.nodes)} nodes"
+    names = [n.name for n in g.nodes]
+    assert len(set(names)) == len(names)
+    pos = {n: i for i, n in enumerate(names)}
+    for n in g.nodes:
+        assert n.op in ("call_module", "call_function", "call_method")
+        assert n.kind == n.kind.lower() and n.kind
+        for inp in n.inputs:
+            assert pos[inp] < pos[n.name], "topological order"
+        if n.alias_of is not None:
+            assert 0 <= n.alias_of < len(n.inputs)
+            assert n.output_bytes == 0
+        assert g.node(n.name) is n
+    assert set(g.graph.nodes) == set(names)
+    assert all(g.graph.has_edge(i, n.name) for n in g.nodes for i in n.inputs)
+    assert g.output_names and all(g.node(o).is_output for o in g.output_names)
+    assert any(n.uses_model_input for n in g.nodes)
+    assert g.input_shapes == [tuple(x.shape)]
+
+
+def test_kinds(traced):
+    name, model, x, g = traced
+    kinds = {n.kind for n in g.nodes}
+    expected = {
+        "resnet18": {
+            "conv2d",
+            "batchnorm2d",
+            "relu",
+            "maxpool2d",
+            "add",
+            "adaptiveavgpool2d",
+            "flatten",
+            "linear",
+        },
+        "resnet50": {"conv2d", "batchnorm2d", "relu", "add", "flatten", "linear"},
+        "vgg11": {"conv2d", "relu", "maxpool2d", "dropout", "linear", "flatten"},
+        "googlenet": {"conv2d", "batchnorm2d", "cat", "maxpool2d", "dropout"},
+        "mobilenet_v2": {"conv2d", "batchnorm2d", "relu6", "add"},
+        "vit_b_16": {"conv2d", "layernorm", "linear", "multiheadattention", "gelu", "getitem"},
+        "gpt": {
+            "embedding",
+            "layernorm",
+            "linear",
+            "gelu",
+            "dropout",
+            "scaled_dot_product_attention",
+            "view",
+            "transpose",
+            "split",
+            "getitem",
+            "size",
+            "add",
+        },
+    }[name]
+    assert expected <= kinds, expected - kinds
+
+
+def test_shapes_match_shapeprop(traced):
+    name, model, x, g = traced
+    torch.manual_seed(0)
+    ShapeProp(g.gm).propagate(x)
+    by_name = {n.name: n for n in g.gm.graph.nodes}
+    for n in g.nodes:
+        ref = _flatten_meta(by_name[n.name].meta.get("tensor_meta"))
+        assert n.shapes == ref, n.name
+        assert len(n.dtypes) == len(n.shapes)
+        assert n.is_tensor == bool(n.shapes)
+
+
+def _eager_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages: dict[int, int] = {}
+    keep = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() and st.data_ptr() not in excluded:
+            storages[st.data_ptr()] = st.nbytes()
+        keep.append(t)
+        return t
+
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    return sum(storages.values())
+
+
+def test_saved_bytes_agree_with_eager(traced):
+    name, model, x, g = traced
+    union: dict[int, int] = {}  # storage id -> bytes, attributed to the first node saving it
+    for n in g.nodes:
+        assert n.saved_bytes == sum(s.nbytes for s in n.saved_storages)
+        for s in n.saved_storages:
+            union.setdefault(s.storage_id, s.nbytes)
+            assert s.kind in ("input", "output", "private", "model_input", "other")
+            if s.kind == "input":
+                assert 0 <= s.position < len(n.inputs)
+    ours = sum(union.values())
+    assert ours == g.total_saved_bytes
+    eager = _eager_saved_bytes(model, x)
+    assert eager > 0
+    assert abs(ours - eager) <= 0.05 * eager, (ours, eager)
+
+
+def test_param_and_grad_bytes(traced):
+    name, model, x, g = traced
+    total_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    names = [pn for n in g.nodes for pn in n.param_names]
+    assert len(names) == len(set(names))
+    counted = set(names)
+    assert (
+        sum(p.numel() * p.element_size() for pn, p in model.named_parameters() if pn in counted)
+        == total_params
+    )
+    assert any(n.grad_bytes > 0 for n in g.nodes)
+    for n in g.nodes:
+        if n.requires_grad:
+            assert n.grad_bytes > 0
+
+
+def test_resnet_details():
+    model, x = M.resnet18()
+    g = trace(model, x)
+    conv = g.node("conv1")
+    assert conv.kind == "conv2d" and conv.uses_model_input and conv.inputs == []
+    assert conv.param_names == ["conv1.weight"]
+    assert conv.output_bytes == 2 * 64 * 32 * 32 * 4
+    assert conv.shapes == [(2, 64, 32, 32)]
+    # torchvision's ReLU is in-place: a view of its input that mutates it
+    relu = g.node("relu")
+    assert relu.alias_of == 0 and relu.output_bytes == 0 and relu.mutated_inputs == [0]
+    assert relu.keeps_output is False and relu.keeps_inputs == (0,)
+    bn = g.node("bn1")
+    assert bn.kind == "batchnorm2d" and bn.keeps_inputs == (0,) and bn.saved_private_bytes > 0
+    assert g.node("fc").is_output and g.output_names == ["fc"]
+    flat = g.node("flatten")
+    assert flat.target == "torch.flatten" and flat.alias_of == 0
+
+
+def test_gpt_details():
+    model, idx = M.gpt()
+    g = trace(model, idx)
+    sdpa = [n for n in g.nodes if n.kind == "scaled_dot_product_attention"]
+    assert len(sdpa) == 2
+    assert sdpa[0].target.endswith("scaled_dot_product_attention")
+    assert len(sdpa[0].inputs) == 3 and sdpa[0].saved_bytes > 0
+    split = next(n for n in g.nodes if n.kind == "split")
+    assert split.alias_of == 0 and split.output_bytes == 0 and len(split.shapes) == 3
+    size = next(n for n in g.nodes if n.kind == "size")
+    assert not size.is_tensor and size.output_bytes == 0 and size.shapes == []
+    wte = g.node("wte")
+    assert wte.uses_model_input and [s.kind for s in wte.saved_storages] == ["model_input"]
+
+
+def test_fingerprint_changes_and_is_stable():
+    model, x = M.resnet18()
+    g1 = trace(model, x)
+    g2 = trace(model, x)
+    assert g1.fingerprint == g2.fingerprint and len(g1.fingerprint) == 64
+    # parameter values do not matter
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    assert trace(model, x).fingerprint == g1.fingerprint
+    assert trace(model, torch.randn(4, 3, 64, 64)).fingerprint != g1.fingerprint
+    assert trace(model, torch.randn(2, 3, 32, 32)).fingerprint != g1.fingerprint
+    other, _ = M.resnet50()
+    assert trace(other, x).fingerprint != g1.fingerprint
+    small = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    wide = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    xi = torch.randn(2, 8)
+    assert trace(small, xi).fingerprint != trace(wide, xi).fingerprint
+
+
+def test_fingerprint_stable_across_processes():
+    model, x = M.resnet18()
+    here = trace(model, x).fingerprint
+    code = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); import models as M; "
+        "from monet_opt.graph import trace; m, x = M.resnet18(); print(trace(m, x).fingerprint)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_transformer_encoder_layer_is_a_leaf():
+    model, x = M.with_encoder_layer()
+    model.eval()  # eval: the layer's fast path is live, fx could not trace into it
+    g = trace(model, x)
+    enc = g.node("enc")
+    assert enc.op == "call_module" and enc.kind == "transformerencoderlayer"
+    assert [n.kind for n in g.nodes] == ["linear", "relu", "transformerencoderlayer", "linear"]
+    with torch.no_grad():
+        torch.testing.assert_close(g.gm(x), model(x))
+    model.train()
+    g = trace(model, x)
+    assert g.node("enc").saved_bytes > 0
+
+
+def test_torch_nn_root_becomes_one_node():
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    x = torch.randn(2, 5, 32)
+    g = trace(layer, x)
+    assert [n.kind for n in g.nodes] == ["transformerencoderlayer"]
+    assert g.nodes[0].is_output and g.nodes[0].uses_model_input
+
+
+def test_untraceable_submodule_becomes_leaf():
+    model = M.WithGate()
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = trace(model, x)
+    assert "gate" in g.leaf_paths
+    assert g.node("gate").op == "call_module"
+    assert any("'gate'" in str(w.message) for w in caught)
+    with torch.no_grad():
+        torch.testing.assert_close(g.gm(x), model(x))
+    with pytest.raises(TraceError, match="gate"):
+        trace(model, x, leaf_fallback=False)
+
+
+def test_data_dependent_control_flow_raises_trace_error():
+    model = M.DataDependent()
+    with pytest.raises(TraceError) as info:
+        trace(model, torch.randn(2, 8))
+    msg = str(info.value)
+    assert "DataDependent" in msg and "control flow" in msg and "h.sum() > 0" in msg
+    assert "Fix" in msg
+    assert info.value.module_path == ""
+    assert info.value.__cause__ is not None  # the original fx error is chained
+
+
+def test_default_args_are_bound_not_traced():
+    class WithMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            y = self.lin(x)
+            if mask is not None:
+                y = y * mask
+            return y
+
+    model = WithMask()
+    x = torch.randn(2, 4)
+    g = trace(model, x)
+    assert [n.kind for n in g.nodes] == ["linear"]
+
+
+def test_model_state_is_restored():
+    model, x = M.resnet18()
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    trace(model, x)
+    for k, b in model.named_buffers():
+        assert torch.equal(b, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_multiple_inputs_and_tuple_outputs():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 6)
+            self.pool = nn.MaxPool1d(2, return_indices=True)
+
+        def forward(self, x, y):
+            h = self.a(x) + y
+            out, idx = self.pool(h.unsqueeze(1))
+            return out, idx
+
+    model = Two()
+    x, y = torch.randn(2, 4), torch.randn(2, 6)
+    g = trace(model, (x, y))
+    assert g.input_shapes == [(2, 4), (2, 6)]
+    pool = g.node("pool")
+    assert len(pool.shapes) == 2 and pool.dtypes == ["torch.float32", "torch.int64"]
+    assert pool.output_bytes == 2 * 3 * 4 + 2 * 3 * 8
+    getitems = [n for n in g.nodes if n.kind == "getitem"]
+    assert all(n.alias_of == 0 for n in getitems)
+    assert set(g.output_names) == {n.name for n in getitems}
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError):
+        trace(nn.Linear(2, 2), [[1, 2]])
+    with pytest.raises(TypeError):
+        trace(lambda x: x, torch.randn(2))
