@@ -24,18 +24,25 @@ def loss_of(output: Any) -> torch.Tensor:
     return sum(t.float().square().mean() for t in tensors)
 
 
-def training_step(model: nn.Module, inputs: tuple) -> None:
+def zero_grad(model: nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
+
+
+def training_step(model: nn.Module, inputs: tuple) -> None:
+    """Forward, loss, backward; parameter gradients are expected to be None before it."""
     loss_of(model(*inputs)).backward()
 
 
 def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, float]:
     """(peak bytes above what was live before the step, median step seconds)."""
+    zero_grad(model)
     training_step(model, inputs)  # warm-up
+    zero_grad(model)
     peak = measure_peak(training_step, model, inputs).peak_bytes
     times = []
     for _ in range(steps):
+        zero_grad(model)
         if inputs and inputs[0].is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -43,8 +50,7 @@ def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, 
         if inputs and inputs[0].is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    for p in model.parameters():
-        p.grad = None
+    zero_grad(model)
     return peak, statistics.median(times)
 
 

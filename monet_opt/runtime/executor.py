@@ -53,12 +53,32 @@ class _Root(torch.autograd.Function):
         return (None, *grads)
 
 
+class _Leaf(torch.autograd.Function):
+    """An input of a node's local graph. Unlike `x.detach().requires_grad_()`, it does
+    not keep x's storage alive (a leaf's AccumulateGrad would): the graph holds only
+    what the op itself saved. Its gradient lands in `box.grads`."""
+
+    @staticmethod
+    def forward(ctx, box: _GradBox, _anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        box = ctx.box
+        box.grads = grad if box.grads is None else box.grads + grad
+        return None, None, None
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)  # makes _Leaf outputs require grad
+
+
 @dataclass
 class _State:
     root: torch.Tensor
     box: _GradBox
     grad_positions: list[int]  # flat output positions that require grad
-    leaves: list[tuple[str, int, torch.Tensor]]  # (source node, flat position in source, leaf)
+    leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
 
 
 @dataclass
@@ -149,7 +169,7 @@ class ScheduleExecutor:
             ) from None
 
     def _args(self, run: _StepRun, node: fx.Node, grad: bool):
-        leaves: list[tuple[str, int, torch.Tensor]] = []
+        leaves: list[tuple[str, int, _GradBox]] = []
 
         def load(arg: fx.Node) -> Any:
             value = self._value_of(run, arg)
@@ -158,11 +178,14 @@ class ScheduleExecutor:
             flat, spec = tree_flatten(value)
             out = []
             for pos, t in enumerate(flat):
-                if isinstance(t, torch.Tensor) and (t.requires_grad or self._wants_grad(run, arg)):
-                    leaf = t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
-                    if leaf.requires_grad:
-                        leaves.append((arg.name, pos, leaf))
-                    out.append(leaf)
+                if (
+                    isinstance(t, torch.Tensor)
+                    and (t.is_floating_point() or t.is_complex())
+                    and (t.requires_grad or self._wants_grad(run, arg))
+                ):
+                    box = _GradBox()
+                    leaves.append((arg.name, pos, box))
+                    out.append(_Leaf.apply(box, _ANCHOR, t))
                 else:
                     out.append(t)
             return tree_unflatten(out, spec)
@@ -180,7 +203,8 @@ class ScheduleExecutor:
     def compute(self, run: _StepRun, name: str, impl_name: str, grad: bool, recompute: bool) -> None:
         plan = self.plans[name]
         impl = plan.impls[impl_name]
-        args, kwargs, leaves = self._args(run, plan.node, grad)
+        with torch.enable_grad() if grad else torch.no_grad():
+            args, kwargs, leaves = self._args(run, plan.node, grad)
         rng_ctx = None
         if plan.random:
             if recompute:
@@ -200,7 +224,8 @@ class ScheduleExecutor:
             ]
             if positions:
                 box = _GradBox()
-                root = _Root.apply(box, *[flat[i] for i in positions])
+                with torch.enable_grad():
+                    root = _Root.apply(box, *[flat[i] for i in positions])
                 run.states[name] = _State(root, box, positions, leaves)
         run.flat_len[name] = len(flat)
         run.env[name] = tree_unflatten(
@@ -219,11 +244,11 @@ class ScheduleExecutor:
         state.box.grads = [grads[p] for p in state.grad_positions]
         del grads
         torch.autograd.backward(state.root, torch.empty(0, device=state.root.device))
-        for source, pos, leaf in state.leaves:
-            g = leaf.grad
+        for source, pos, box in state.leaves:
+            g = box.grads
             if g is None:
                 continue
-            leaf.grad = None
+            box.grads = None
             if source in run.inputs:
                 prev = run.input_grads.get(source)
                 run.input_grads[source] = g if prev is None else self._add(run, prev, g)
