@@ -1,16 +1,31 @@
 """The torch-free optimization core: problem, schedule, simulator, strategies.
 
-    import solver
-    problem = solver.Problem.from_json("resnet50.problem.json")
-    schedule = solver.solve(problem, budget=0.5, time_limit=60)
-    print(solver.simulate(problem, schedule).peak_bytes)
+import solver
+problem = solver.Problem.from_json("resnet50.problem.json")
+schedule = solver.solve(problem, budget=0.5, time_limit=60)
+print(solver.simulate(problem, schedule).peak_bytes)
 """
 
+from solver import baselines  # noqa: E402  (after the contract types it uses)
+from solver.baselines import best_baseline, checkpoint_all, chen_sqrt, greedy, no_recompute
+from solver.bounds import min_feasible_lower_bound
+from solver.milp import InfeasibleBudget, NoScheduleFound, resolve_budget, solve
 from solver.problem import Impl, Node, Problem, ProblemError
 from solver.schedule import FingerprintMismatch, Schedule, ScheduleError, SolverInfo, Stage, Step
 from solver.simulate import ScheduleInvalid, SimResult, simulate
 
 __all__ = [
+    "InfeasibleBudget",
+    "NoScheduleFound",
+    "baselines",
+    "best_baseline",
+    "checkpoint_all",
+    "chen_sqrt",
+    "greedy",
+    "min_feasible_lower_bound",
+    "no_recompute",
+    "resolve_budget",
+    "solve",
     "FingerprintMismatch",
     "Impl",
     "Node",

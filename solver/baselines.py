@@ -68,8 +68,26 @@ def policy_schedule(
     an = analysis(problem)
     if F is None:
         F = {i for i in range(an.n) if an.rb[i]}
-    plan = lazy_plan(an, _impl_indices(an, impl), set(F), set(K))
-    return to_schedule(an, plan, strategy, SolverInfo(name=solver_name or strategy), budget_bytes)
+    impl = _impl_indices(an, impl)
+    plan = lazy_plan(an, impl, set(F), set(K))
+    policy = {
+        "impl": {an.names[i]: an.impls[i][m].name for i, m in enumerate(impl) if m != 0},
+        "F": [an.names[i] for i in sorted(F)],
+        "K": [an.names[i] for i in sorted(K)],
+    }
+    return to_schedule(
+        an, plan, strategy, SolverInfo(name=solver_name or strategy), budget_bytes, meta={"policy": policy}
+    )
+
+
+def plan_of(problem: Problem, schedule: Schedule) -> Plan | None:
+    """The plan of a policy schedule made by this module (from meta['policy']), else None."""
+    pol = schedule.meta.get("policy")
+    if not pol:
+        return None
+    an = analysis(problem)
+    impl = _impl_indices(an, pol.get("impl", {}))
+    return lazy_plan(an, impl, {an.idx[x] for x in pol["F"]}, {an.idx[x] for x in pol["K"]})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,81 @@
+"""Lower bounds on the peak memory of any valid schedule (no MILP needed).
+
+Every valid schedule must, at some moment:
+
+* run the backward of each node t with t's state live. At that moment these are
+  live whatever the schedule: `fixed_bytes`, the storages the user holds (outputs),
+  the gradients that exist at stage t (they depend only on the fixed stage order),
+  the parameter gradients of earlier backwards, t's state (private bytes plus the
+  storages it keeps, cheapest implementation), plus the backward transient
+  (workspace, new input gradients, t's parameter gradients);
+* compute each node that an output or a backward depends on at least once: its
+  inputs' storages, its new output storage and its workspace (plus its private
+  state bytes if it needs a backward, since some compute of it must run with
+  grad=True).
+
+The bound is the largest of these quantities; it is <= the simulated peak of any
+valid schedule (tests check it against every strategy and random schedules).
+"""
+
+from __future__ import annotations
+
+from solver.plan import Analysis
+from solver.problem import Problem
+
+
+def _backward_bound(an: Analysis, s: int) -> int:
+    t = an.bw[s]
+    user = set(an.user_bases)
+    best = None
+    for m, im in enumerate(an.impls[t]):
+        kept = sum(an.a[b] for b in an.kept_bases[t][m] if b not in user)
+        v = im.state_bytes + kept + im.bwd_workspace
+        best = v if best is None else min(best, v)
+    return an.stage_const[s] + (best or 0) + an.bwd_extra_base[s]
+
+
+def _compute_bound(an: Analysis, i: int) -> int:
+    ins = {an.base[j] for j in an.uinputs[i]}
+    own = an.a[i]  # a new storage (0 for a view)
+    best = None
+    for im in an.impls[i]:
+        v = im.fwd_workspace + (im.state_bytes if an.rb[i] else 0)
+        best = v if best is None else min(best, v)
+    return an.problem.fixed_bytes + sum(an.a[b] for b in ins) + own + (best or 0)
+
+
+def needed_nodes(an: Analysis) -> set[int]:
+    """Nodes that every valid schedule computes at least once: outputs, backwards, their ancestors."""
+    roots = set(an.outputs) | {i for i in range(an.n) if an.rb[i]}
+    out = set(roots)
+    for r in roots:
+        out |= an.ancestors[r]
+    return out
+
+
+def min_feasible_lower_bound(problem: Problem) -> int:
+    """A lower bound on the simulated peak of every valid schedule of `problem` (bytes)."""
+    an = Analysis(problem)
+    lb = problem.fixed_bytes
+    for s in range(an.T):
+        lb = max(lb, _backward_bound(an, s))
+    for i in needed_nodes(an):
+        lb = max(lb, _compute_bound(an, i))
+    # at the end of the forward every output storage is held
+    lb = max(lb, problem.fixed_bytes + an.user_bytes)
+    return int(lb)
+
+
+def explain_lower_bound(problem: Problem) -> str:
+    """Which moment sets the lower bound (for error messages)."""
+    an = Analysis(problem)
+    best = (problem.fixed_bytes, "fixed bytes")
+    for s in range(an.T):
+        v = _backward_bound(an, s)
+        if v > best[0]:
+            best = (v, f"the backward of {an.names[an.bw[s]]!r}")
+    for i in needed_nodes(an):
+        v = _compute_bound(an, i)
+        if v > best[0]:
+            best = (v, f"computing {an.names[i]!r}")
+    return f"{best[0]} bytes, set by {best[1]}"

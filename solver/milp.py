@@ -1,0 +1,623 @@
+"""The exact strategy: a mixed-integer program over one stage per backward node, solved by HiGHS.
+
+Formulation (MONeT-style grid; n nodes in topological order, backward stages
+s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
+
+  k[i,m]    node i runs implementation m in the forward (one-hot)
+  F[i,m]    = A[0,i,m]: i computed with grad=True in the forward (state kept), F <= k
+  S[s,i]    the handle of i is held when stage s starts (i <= t_s); S[0,i]: kept
+            after the forward. For a base storage, S=1 also whenever a state or a
+            view holds the storage (holding the handle then costs nothing), so
+            "storage live" == S.
+  A[s,i,m]  i's state (made with impl m) is held when stage s starts (s >= 1)
+  R[s,i,m]  i is recomputed with impl m in stage s, before the backward of t_s
+            (i an ancestor of t_s or t_s itself; never a storage the user holds)
+  W[s]      transient bytes of stage s (max of workspaces / backward transient)
+
+  backward needs a state      sum_m A[s,t,m] + R[s,t,m] = 1
+  recompute needs its inputs  R[s,i] <= S[s,j] + R[s,j]          (j input of i)
+  carry                       S[s+1,i] <= S[s,i] + R[s,i];  A[s+1,i,m] <= A[s,i,m] + R[s,i,m]
+  no second copy              S[s,i] + R[s,i] <= 1               (i owns a storage)
+  storages held by states     A[s,c,m] <= S[s,b]                 (b kept by impl m of c)
+  views hold their base       S[s,v] <= S[s,base(v)]
+  stage memory                C_s + sum_b a_b (S[s,b] + R[s,b]) + sum st_im (A + R) + W[s] <= budget
+  transients                  W[s] >= backward transient of t_s;  W[s] >= fwd_workspace of each R
+  forward memory (step i)     fixed + storages live at step i (needed later in the forward, or
+                              kept: a_b S[0,b]) + a_i + private bytes of F states so far
+                              + workspace of i <= budget
+  minimise                    forward + backward + recompute time of the chosen implementations
+
+Every term is an upper bound of what the simulator counts for the emitted schedule
+(which frees things as early as possible inside a stage), so a solution of the
+MILP is a schedule within budget; `solve` still replays it with the simulator.
+Matrices are assembled from integer index lists into a scipy sparse matrix and
+passed to highspy directly (no per-scalar modelling-layer expressions).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from solver.plan import Analysis, Plan, StagePlan
+
+
+@dataclass
+class MilpResult:
+    plan: Plan | None
+    status: str  # optimal / time_limit / infeasible / no_solution
+    objective: float | None
+    dual_bound: float | None
+    gap: float | None
+    solve_time_s: float
+    build_time_s: float
+    n_cols: int
+    n_rows: int
+
+
+class _Model:
+    """Columns and rows accumulated as index lists."""
+
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[bool] = []
+        self.r_idx: list[int] = []
+        self.c_idx: list[int] = []
+        self.vals: list[float] = []
+        self.r_lo: list[float] = []
+        self.r_hi: list[float] = []
+
+    def var(self, cost: float = 0.0, lb: float = 0.0, ub: float = 1.0, integer: bool = True) -> int:
+        self.cost.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, cols: list[int], coefs: list[float], lo: float, hi: float) -> int:
+        r = len(self.r_lo)
+        self.r_idx.extend([r] * len(cols))
+        self.c_idx.extend(cols)
+        self.vals.extend(coefs)
+        self.r_lo.append(lo)
+        self.r_hi.append(hi)
+        return r
+
+
+INF = float("inf")
+
+
+class Formulation:
+    def __init__(self, an: Analysis, budget: int) -> None:
+        self.an = an
+        self.budget = int(budget)
+        t0 = time.perf_counter()
+        self._build()
+        self.build_time_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------
+    def _build(self) -> None:  # noqa: C901 - one formulation, kept in one place
+        an = self.an
+        md = _Model()
+        self.md = md
+        n, T = an.n, an.T
+        budget = self.budget
+        fixed = an.problem.fixed_bytes
+        nimp = [len(im) for im in an.impls]
+        user = an.user_held
+        user_bases = set(an.user_bases)
+
+        # forward implementation and kept states
+        self.k = [[md.var(cost=an.impls[i][m].fwd_time) for m in range(nimp[i])] for i in range(n)]
+        for i in range(n):
+            if nimp[i] == 1:
+                md.lb[self.k[i][0]] = 1.0
+            else:
+                md.row(self.k[i], [1.0] * nimp[i], 1.0, 1.0)
+        # S[s] : dict node -> col ; A[s]: dict node -> list of cols ; R[s]: dict node -> list of cols
+        self.S: list[dict[int, int]] = []
+        self.A: list[dict[int, list[int]]] = []
+        self.R: list[dict[int, list[int]]] = []
+        anc = an.ancestors
+        for s, t in enumerate(an.bw):
+            Ss: dict[int, int] = {}
+            rng = range(n) if s == 0 else range(t + 1)
+            for i in rng:
+                if i in user:
+                    Ss[i] = md.var(lb=1.0, ub=1.0)
+                elif i > t:
+                    Ss[i] = md.var(lb=0.0, ub=0.0)
+                else:
+                    Ss[i] = md.var()
+            self.S.append(Ss)
+            As: dict[int, list[int]] = {}
+            for i in range(t + 1):
+                if an.rb[i]:
+                    cost_b = an.impls[i]
+                    As[i] = [md.var(cost=cost_b[m].bwd_time if i == t else 0.0) for m in range(nimp[i])]
+            self.A.append(As)
+            Rs: dict[int, list[int]] = {}
+            for i in sorted(anc[t] | {t}):
+                if i in user:
+                    continue
+                ims = an.impls[i]
+                Rs[i] = [
+                    md.var(cost=ims[m].fwd_time + (ims[m].bwd_time if i == t else 0.0))
+                    for m in range(nimp[i])
+                ]
+            self.R.append(Rs)
+        self.W: list[int | None] = [None] * T  # recompute workspace per stage
+        self.aux: list[tuple[int, list[int], int]] = []  # (y, cols, how many of cols are t's state)
+
+        # F <= k
+        for i, cols in self.A[0].items():
+            for m, c in enumerate(cols):
+                md.row([c, self.k[i][m]], [1.0, -1.0], -INF, 0.0)
+
+        for s, t in enumerate(an.bw):
+            Ss, As, Rs = self.S[s], self.A[s], self.R[s]
+            # backward needs a state
+            cols = list(As.get(t, [])) + list(Rs.get(t, []))
+            md.row(cols, [1.0] * len(cols), 1.0, 1.0)
+            # at most one state per node
+            for i, ac in As.items():
+                if len(ac) > 1 and i != t:
+                    md.row(ac, [1.0] * len(ac), -INF, 1.0)
+            # recompute needs inputs; no second copy
+            for i, rc in Rs.items():
+                for j in an.uinputs[i]:
+                    cc = rc + [Ss[j]] + Rs.get(j, [])
+                    md.row(cc, [1.0] * len(rc) + [-1.0] * (len(cc) - len(rc)), -INF, 0.0)
+                if not an.is_view[i]:
+                    md.row(rc + [Ss[i]], [1.0] * (len(rc) + 1), -INF, 1.0)
+            # storages held by states
+            for c, ac in As.items():
+                for m, col in enumerate(ac):
+                    for b in an.kept_bases[c][m]:
+                        md.row([col, Ss[b]], [1.0, -1.0], -INF, 0.0)
+            # views hold their base
+            for v in range(t + 1 if s > 0 else n):
+                if an.is_view[v] and v not in user and v <= t:
+                    md.row([Ss[v], Ss[an.base[v]]], [1.0, -1.0], -INF, 0.0)
+            # carry to the next stage
+            if s + 1 < T:
+                t2 = an.bw[s + 1]
+                S2, A2 = self.S[s + 1], self.A[s + 1]
+                for i in range(t2 + 1):
+                    if i in user:
+                        continue
+                    cc = [S2[i], Ss[i]] + Rs.get(i, [])
+                    md.row(cc, [1.0] + [-1.0] * (len(cc) - 1), -INF, 0.0)
+                for i, ac2 in A2.items():
+                    ac = As[i]
+                    rc = Rs.get(i)
+                    for m in range(nimp[i]):
+                        cc = [ac2[m], ac[m]] + ([rc[m]] if rc else [])
+                        md.row(cc, [1.0] + [-1.0] * (len(cc) - 1), -INF, 0.0)
+            # memory while recomputing: everything held at the start plus everything recomputed
+            if Rs or s == 0:
+                cols, coefs = [], []
+                for i in range(t + 1):
+                    if not an.is_view[i] and i not in user_bases and an.a[i]:
+                        cols.append(Ss[i])
+                        coefs.append(an.a[i])
+                        for c in Rs.get(i, []):
+                            cols.append(c)
+                            coefs.append(an.a[i])
+                for i, ac in As.items():
+                    for m, c in enumerate(ac):
+                        st = an.impls[i][m].state_bytes
+                        if st:
+                            cols.append(c)
+                            coefs.append(st)
+                for i, rc in Rs.items():
+                    if an.rb[i]:
+                        for m, c in enumerate(rc):
+                            st = an.impls[i][m].state_bytes
+                            if st:
+                                cols.append(c)
+                                coefs.append(st)
+                ws_rows = []
+                for i, rc in Rs.items():
+                    ws = [an.impls[i][m].fwd_workspace for m in range(nimp[i])]
+                    if max(ws) > 0:
+                        ws_rows.append((rc, ws))
+                if ws_rows:
+                    w = md.var(integer=False, ub=INF)
+                    self.W[s] = w
+                    cols.append(w)
+                    coefs.append(1.0)
+                    for rc, ws in ws_rows:
+                        md.row([w] + rc, [1.0] + [-float(x) for x in ws], 0.0, INF)
+                md.row(cols, coefs, -INF, budget - an.stage_const[s])
+            # memory at the backward of t: what is carried to the next stage, plus t's state
+            cols, coefs = [], []
+            tcols = [(m, c) for m, c in enumerate(As.get(t, []))] + [
+                (m, c) for m, c in enumerate(Rs.get(t, []))
+            ]
+            keeps: dict[int, list[int]] = {}
+            for m, c in tcols:
+                for b in an.kept_bases[t][m]:
+                    if b not in user_bases and an.a[b]:
+                        keeps.setdefault(b, []).append(c)
+                im = an.impls[t][m]
+                if im.state_bytes + im.bwd_workspace:
+                    cols.append(c)
+                    coefs.append(float(im.state_bytes + im.bwd_workspace))
+            S2 = self.S[s + 1] if s + 1 < T else {}
+            A2 = self.A[s + 1] if s + 1 < T else {}
+            for b, cs in keeps.items():
+                y = md.var(integer=False)
+                md.row([y] + cs, [1.0] + [-1.0] * len(cs), 0.0, INF)
+                if b in S2:
+                    md.row([y, S2[b]], [1.0, -1.0], 0.0, INF)
+                self.aux.append((y, cs + ([S2[b]] if b in S2 else []), len(cs)))
+                cols.append(y)
+                coefs.append(an.a[b])
+            for b, c in S2.items():
+                if b not in keeps and not an.is_view[b] and b not in user_bases and an.a[b]:
+                    cols.append(c)
+                    coefs.append(an.a[b])
+            for i, ac in A2.items():
+                for m, c in enumerate(ac):
+                    st = an.impls[i][m].state_bytes
+                    if st:
+                        cols.append(c)
+                        coefs.append(st)
+            md.row(cols, coefs, -INF, budget - an.stage_const[s] - an.bwd_extra_base[s])
+
+        # forward memory per step
+        S0 = self.S[0]
+        F = self.A[0]
+        st_cols: list[int] = []
+        st_coefs: list[float] = []
+        kept_cols: list[int] = []
+        kept_coefs: list[float] = []
+        freed_by: dict[int, list[int]] = {}
+        for b in range(n):
+            if not an.is_view[b] and an.a[b]:
+                freed_by.setdefault(an.lastfs[b] + 1, []).append(b)
+        live_const = 0
+        for i in range(n):
+            for b in freed_by.get(i, []):
+                kept_cols.append(S0[b])
+                kept_coefs.append(an.a[b])
+                live_const -= an.a[b]
+            if i in F:
+                for m, c in enumerate(F[i]):
+                    st = an.impls[i][m].state_bytes
+                    if st:
+                        st_cols.append(c)
+                        st_coefs.append(st)
+            ws_cols = [self.k[i][m] for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
+            ws_coefs = [an.impls[i][m].fwd_workspace for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
+            rhs = budget - fixed - live_const - an.a[i]
+            # live_const tracks -(bytes of storages already released); add all earlier storages
+            md.row(kept_cols + st_cols + ws_cols, kept_coefs + st_coefs + ws_coefs, -INF, rhs)
+            live_const += an.a[i]  # == bytes of storages created before i+1 and not yet released
+        self.n_cols = len(md.cost)
+        self.n_rows = len(md.r_lo)
+
+    # ------------------------------------------------------------------------------------------
+    def plan_to_vector(self, plan: Plan) -> np.ndarray:
+        """Column values of a Plan (for warm starts and consistency checks)."""
+        an = self.an
+        x = np.zeros(self.n_cols)
+        lb = np.asarray(self.md.lb)
+        for i in range(an.n):
+            x[self.k[i][plan.impl[i]]] = 1
+        for i in plan.F:
+            if i in self.A[0]:
+                x[self.A[0][i][plan.impl[i]]] = 1
+        for s in range(an.T):
+            vals = plan.S0 if s == 0 else plan.stages[s - 1].carry_vals
+            for i, c in self.S[s].items():
+                if i in vals:
+                    x[c] = 1
+            if s > 0:
+                for i, m in plan.stages[s - 1].carry_states.items():
+                    if i in self.A[s]:
+                        x[self.A[s][i][m]] = 1
+            w = 0.0
+            for i, m, _g in plan.stages[s].recompute:
+                if i in self.R[s]:
+                    x[self.R[s][i][m]] = 1
+                w = max(w, an.impls[i][m].fwd_workspace)
+            if self.W[s] is not None:
+                x[self.W[s]] = w
+        # auxiliary "kept by t's state or carried" columns: at their lower bounds
+        x = np.maximum(x, lb)
+        for y, cols, n_state in self.aux:
+            x[y] = max(sum(x[c] for c in cols[:n_state]), max((x[c] for c in cols[n_state:]), default=0.0))
+        return np.maximum(x, lb)
+
+    def vector_to_plan(self, x: np.ndarray) -> Plan:
+        an = self.an
+        on = x > 0.5
+        impl = [max(range(len(ks)), key=lambda m, ks=ks: x[ks[m]]) for ks in self.k]
+        F = {i for i, cols in self.A[0].items() if any(on[c] for c in cols)}
+        fimpl = list(impl)
+        for i in F:
+            fimpl[i] = max(range(len(self.A[0][i])), key=lambda m, i=i: x[self.A[0][i][m]])
+        S0 = {i for i, c in self.S[0].items() if on[c]}
+        stages = []
+        for s, t in enumerate(an.bw):
+            nxt_S = {i for i, c in self.S[s + 1].items() if on[c]} if s + 1 < an.T else set()
+            nxt_A: dict[int, int] = {}
+            if s + 1 < an.T:
+                for i, cols in self.A[s + 1].items():
+                    for m, c in enumerate(cols):
+                        if on[c]:
+                            nxt_A[i] = m
+            held_A = {i for i, cols in self.A[s].items() if any(on[c] for c in cols)}
+            rec = []
+            for i in sorted(self.R[s]):
+                for m, c in enumerate(self.R[s][i]):
+                    if on[c]:
+                        grad = an.rb[i] and (i == t or (nxt_A.get(i) == m and i not in held_A))
+                        rec.append((i, m, grad))
+                        break
+            stages.append(StagePlan(recompute=rec, carry_vals=nxt_S, carry_states=nxt_A))
+        return Plan(impl=fimpl, F=F, S0=S0, stages=stages)
+
+    def row_activity(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        A = self.matrix()
+        return A @ x, np.asarray(self.md.r_lo), np.asarray(self.md.r_hi)
+
+    def matrix(self) -> sp.csc_matrix:
+        md = self.md
+        return sp.csc_matrix(
+            (np.asarray(md.vals, dtype=float), (np.asarray(md.r_idx), np.asarray(md.c_idx))),
+            shape=(self.n_rows, self.n_cols),
+        )
+
+    def violations(self, x: np.ndarray, tol: float = 1e-6) -> list[int]:
+        act, lo, hi = self.row_activity(x)
+        bad = np.nonzero(
+            (act < lo - tol * np.maximum(1, np.abs(lo))) | (act > hi + tol * np.maximum(1, np.abs(hi)))
+        )[0]
+        xb = np.asarray(self.md.lb)
+        ub = np.asarray(self.md.ub)
+        badc = np.nonzero((x < xb - tol) | (x > ub + tol))[0]
+        return list(bad) + [-1 - int(c) for c in badc]
+
+    def objective(self, x: np.ndarray) -> float:
+        return float(np.asarray(self.md.cost) @ x)
+
+    # ------------------------------------------------------------------------------------------
+    def solve_highs(
+        self,
+        time_limit: float,
+        mip_gap: float = 0.01,
+        threads: int = 2,
+        warm: np.ndarray | None = None,
+        verbose: bool = False,
+    ) -> MilpResult:
+        import highspy
+
+        md = self.md
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", bool(verbose))
+        h.setOptionValue("log_to_console", bool(verbose))
+        h.setOptionValue("time_limit", max(0.5, float(time_limit)))
+        h.setOptionValue("mip_rel_gap", float(mip_gap))
+        h.setOptionValue("threads", int(threads))
+        h.setOptionValue("random_seed", 0)
+        lp = highspy.HighsLp()
+        lp.num_col_ = self.n_cols
+        lp.num_row_ = self.n_rows
+        lp.col_cost_ = np.asarray(md.cost, dtype=float)
+        lp.col_lower_ = np.asarray(md.lb, dtype=float)
+        lp.col_upper_ = np.asarray(md.ub, dtype=float)
+        lp.row_lower_ = np.asarray(md.r_lo, dtype=float)
+        lp.row_upper_ = np.asarray(md.r_hi, dtype=float)
+        A = self.matrix()
+        A.sort_indices()
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = A.indptr.astype(np.int32)
+        lp.a_matrix_.index_ = A.indices.astype(np.int32)
+        lp.a_matrix_.value_ = A.data.astype(float)
+        lp.a_matrix_.num_col_ = self.n_cols
+        lp.a_matrix_.num_row_ = self.n_rows
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if isint else highspy.HighsVarType.kContinuous
+            for isint in md.integer
+        ]
+        h.passModel(lp)
+        if warm is not None:
+            sol = highspy.HighsSolution()
+            sol.col_value = list(map(float, warm))
+            sol.value_valid = True
+            h.setSolution(sol)
+        t0 = time.perf_counter()
+        h.run()
+        solve_time = time.perf_counter() - t0
+        ms = h.getModelStatus()
+        info = h.getInfo()
+        has_sol = info.primal_solution_status == 2
+        status_name = h.modelStatusToString(ms).lower()
+        if ms == highspy.HighsModelStatus.kOptimal:
+            status = "optimal"
+        elif ms == highspy.HighsModelStatus.kInfeasible:
+            status = "infeasible"
+        elif "time" in status_name:
+            status = "time_limit"
+        else:
+            status = status_name.replace(" ", "_")
+        plan = obj = gap = bound = None
+        if has_sol:
+            x = np.asarray(h.getSolution().col_value)
+            plan = self.vector_to_plan(x)
+            obj = float(info.objective_function_value)
+            bound = float(info.mip_dual_bound)
+            gap = float(info.mip_gap)
+            if not np.isfinite(gap):
+                gap = None
+        elif status != "infeasible":
+            status = "no_solution"
+        return MilpResult(
+            plan, status, obj, bound, gap, solve_time, self.build_time_s, self.n_cols, self.n_rows
+        )
+
+
+def log(verbose: bool, msg: str) -> None:
+    if verbose:
+        print(f"[solver] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+class InfeasibleBudget(ValueError):
+    """No schedule fits the budget; `minimum_bytes` is the smallest budget known to be needed/enough."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = int(minimum_bytes)
+
+
+class NoScheduleFound(InfeasibleBudget):
+    """The budget is above the lower bound, but no schedule was found within the time limit."""
+
+
+def resolve_budget(problem, budget) -> int:
+    """Bytes from an int, or from a float in (0, 1] (fraction of the no-recompute peak)."""
+    from solver.baselines import no_recompute
+
+    if isinstance(budget, bool):
+        raise TypeError("budget must be bytes (int) or a fraction in (0, 1]")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}")
+        return int(budget * no_recompute(problem).predicted_peak_bytes)
+    return int(budget)
+
+
+def solve(
+    problem,
+    budget,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    mip_gap: float = 0.01,
+    solver: str = "highs",
+    threads: int = 2,
+    warm_start: bool = True,
+):
+    """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
+
+    Raises InfeasibleBudget when the budget is below the provable lower bound, and
+    NoScheduleFound when neither the MILP (within `time_limit`) nor any baseline
+    finds a fitting schedule. Never returns a schedule over budget: the result is
+    replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
+    fitting baseline is returned and `solver.status` says "fallback:<baseline>".
+    """
+    from solver.baselines import analysis, best_baseline, min_known_peak, plan_of
+    from solver.bounds import explain_lower_bound, min_feasible_lower_bound
+    from solver.plan import PlanError, to_schedule
+    from solver.schedule import Schedule, SolverInfo
+    from solver.simulate import ScheduleInvalid, simulate
+
+    t_start = time.perf_counter()
+    deadline = t_start + float(time_limit)
+    budget_bytes = resolve_budget(problem, budget)
+    lb = min_feasible_lower_bound(problem)
+    if budget_bytes < lb:
+        raise InfeasibleBudget(
+            f"budget {budget_bytes} bytes is below the minimum any schedule needs: "
+            f"{explain_lower_bound(problem)} (minimum_bytes={lb})",
+            lb,
+        )
+    an = analysis(problem)
+    greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
+    base = best_baseline(problem, budget_bytes, greedy_time=greedy_time)
+    log(
+        verbose,
+        f"budget {budget_bytes} B, lower bound {lb} B; best baseline: "
+        + (
+            f"{base.strategy} {base.predicted_time_s:.4f} s, peak {base.predicted_peak_bytes} B"
+            if base
+            else "none fits"
+        ),
+    )
+
+    if solver not in ("highs", "gurobi"):
+        raise ValueError(f"unknown solver {solver!r} (use 'highs')")
+    form = Formulation(an, budget_bytes)
+    log(verbose, f"MILP: {form.n_cols} columns, {form.n_rows} rows, built in {form.build_time_s:.2f} s")
+    warm = None
+    if warm_start and base is not None:
+        try:
+            plan = plan_of(problem, base)
+            if plan is not None:
+                warm = form.plan_to_vector(plan)
+                bad = form.violations(warm)
+                if bad:
+                    log(verbose, f"warm start from {base.strategy} violates {len(bad)} rows; not used")
+                    warm = None
+        except (PlanError, KeyError) as exc:  # pragma: no cover - defensive
+            log(verbose, f"warm start unavailable: {exc}")
+            warm = None
+    remaining = deadline - time.perf_counter()
+    res = form.solve_highs(max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose)
+    elapsed = time.perf_counter() - t_start
+    log(
+        verbose,
+        f"HiGHS: {res.status}, objective {res.objective}, bound {res.dual_bound}, gap {res.gap}, "
+        f"{res.solve_time_s:.1f} s",
+    )
+
+    def fallback(reason: str):
+        if base is None:
+            known, name = min_known_peak(problem)
+            raise NoScheduleFound(
+                f"no schedule within budget {budget_bytes} bytes found in {time_limit:.0f} s "
+                f"({reason}); the lower bound is {lb} bytes and the smallest peak found is "
+                f"{known} bytes ({name}); raise the budget or the time limit",
+                known,
+            )
+        info = SolverInfo(
+            name=base.solver.name, status=f"fallback:{base.strategy}", gap=None, solve_time_s=elapsed
+        )
+        return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
+
+    if res.plan is None:
+        if res.status == "infeasible" and base is None:
+            known, name = min_known_peak(problem)
+            raise InfeasibleBudget(
+                f"no schedule fits budget {budget_bytes} bytes in this formulation (MILP infeasible); "
+                f"lower bound {lb} bytes, smallest peak found {known} bytes ({name})",
+                known,
+            )
+        return fallback(f"MILP {res.status}")
+    info = SolverInfo(name="highs-milp", status=res.status, gap=res.gap, solve_time_s=elapsed)
+    try:
+        sched = to_schedule(
+            an,
+            res.plan,
+            "milp",
+            info,
+            budget_bytes,
+            meta={
+                "milp_objective": res.objective,
+                "milp_dual_bound": res.dual_bound,
+                "milp_cols": res.n_cols,
+                "milp_rows": res.n_rows,
+            },
+        )
+        sim = simulate(problem, sched)
+    except (PlanError, ScheduleInvalid) as exc:
+        log(verbose, f"MILP solution did not replay: {exc}")
+        return fallback("MILP schedule invalid")
+    if sim.peak_bytes > budget_bytes:
+        log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
+        return fallback("MILP schedule over budget")
+    if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
+        info = SolverInfo(
+            name="highs-milp", status=f"fallback:{base.strategy}", gap=res.gap, solve_time_s=elapsed
+        )
+        return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
+    return sched
