@@ -25,7 +25,8 @@ class ReLUBitmask(torch.autograd.Function):
         y = torch.relu(x)
         # torch's backward: grad where result > 0, i.e. not (result <= 0) (NaN passes the gradient).
         ctx.numel, ctx.shape = y.numel(), y.shape
-        ctx.save_for_backward(pack_bits(y.le(0).logical_not_()))
+        # relu's output is >= 0 or NaN, so "not (y <= 0)" is "y != 0".
+        ctx.save_for_backward(pack_bits(y.ne(0)))
         return y
 
     @staticmethod
@@ -40,7 +41,8 @@ class HardtanhBitmask(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
         y = F.hardtanh(x, min_val, max_val)
         # torch's hardtanh_backward: 0 where input <= min or input >= max, else grad.
-        keep = x.le(min_val).logical_or_(x.ge(max_val)).logical_not_()
+        # lo < x < hi (or x is NaN) exactly when the clamped output differs from both bounds.
+        keep = y.ne(min_val).logical_and_(y.ne(max_val))
         ctx.numel, ctx.shape = y.numel(), y.shape
         ctx.save_for_backward(pack_bits(keep))
         return y

@@ -200,17 +200,13 @@ def _works(backend, p: dict) -> bool:
 
 
 def _default_choice(p: dict) -> int | None:
+    kw = {"scale": p["scale"]}
+    if p["enable_gqa"]:
+        kw["enable_gqa"] = True
     try:
         return int(
             torch._fused_sdp_choice(
-                p["query"],
-                p["key"],
-                p["value"],
-                p["attn_mask"],
-                p["dropout_p"],
-                p["is_causal"],
-                p["scale"],
-                p["enable_gqa"],
+                p["query"], p["key"], p["value"], p["attn_mask"], p["dropout_p"], p["is_causal"], **kw
             )
         )
     except Exception:

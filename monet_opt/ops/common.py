@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -216,7 +217,15 @@ def is_fake_or_meta(t: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- 1-bit packing
+#
+# Bit i of byte j holds element 8*j + i. Packing reads each group of 8 bool bytes as one int64 and
+# gathers the 8 low bits with one multiplication (0x0102040810204080 moves byte i's bit 0 to bit
+# 56 + i without carries); unpacking looks each byte up in a 256-entry int64 table whose 8 bytes
+# are the bool values. Both are a few passes over numel/8 elements.
 
+_LITTLE = sys.byteorder == "little"
+_MAGIC = 0x0102040810204080
+_TABLES: dict[torch.device, torch.Tensor] = {}
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -228,6 +237,15 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def _unpack_table(device: torch.device) -> torch.Tensor:
+    t = _TABLES.get(device)
+    if t is None:
+        bits = torch.arange(256).unsqueeze(1).bitwise_and(_bit_weights(torch.device("cpu")).long()).ne(0)
+        t = bits.to(torch.uint8).contiguous().view(torch.int64).view(-1).to(device)
+        _TABLES[device] = t
+    return t
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor into uint8, 8 elements per byte (ceil(numel/8) bytes)."""
     flat = mask.reshape(-1)
@@ -235,11 +253,18 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-n) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    bits = flat.view(-1, 8).view(torch.uint8)  # bool -> uint8 is a free reinterpretation (0/1)
+    if _LITTLE:
+        words = flat.view(torch.uint8).view(torch.int64)
+        return words.mul(_MAGIC).bitwise_right_shift_(56).to(torch.uint8)
+    bits = flat.view(-1, 8).view(torch.uint8)
     return (bits * _bit_weights(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int, shape: torch.Size) -> torch.Tensor:
     """Inverse of `pack_bits`: a bool tensor of `shape`."""
-    bits = packed.unsqueeze(1).bitwise_and(_bit_weights(packed.device)).ne(0)
-    return bits.view(-1)[:numel].view(shape)
+    if _LITTLE:
+        words = _unpack_table(packed.device).index_select(0, packed.to(torch.int32))
+        bits = words.view(torch.bool)
+    else:
+        bits = packed.unsqueeze(1).bitwise_and(_bit_weights(packed.device)).ne(0).view(-1)
+    return bits[:numel].view(shape)

@@ -66,33 +66,39 @@ class BatchNormOutputActivated(torch.autograd.Function):
         saved = ctx.saved_tensors
         y, invstd, weight, bias = saved[:4]
         nd = y.dim()
-        dims = [0] + list(range(2, nd))
-        count = y.numel() // y.size(1)
+        # x_hat = (y - bias) / weight, channels with weight == 0 taken from the saved copy.
         if weight is not None:
-            w = weight
-            if ctx.zero:
-                w = torch.where(weight == 0, torch.ones_like(weight), weight)
-            xh = y - _channel_view(bias, nd) if bias is not None else y
-            xh = xh / _channel_view(w, nd)
+            w = torch.where(weight == 0, torch.ones_like(weight), weight) if ctx.zero else weight
+            xh = (
+                y - _channel_view(bias, nd)
+                if bias is not None
+                else y.to(torch.promote_types(y.dtype, w.dtype), copy=True)
+            )
+            xh.div_(_channel_view(w, nd))
             if ctx.zero:
                 zero_idx, xhat_zero = saved[4], saved[5]
-                xh = xh.index_copy(1, zero_idx, xhat_zero.to(xh.dtype))
+                xh.index_copy_(1, zero_idx, xhat_zero.to(xh.dtype))
         else:
-            xh = y if bias is None else y - _channel_view(bias, nd)
-        g_c = g.to(xh.dtype)
-        sum_g = g_c.sum(dims)
-        sum_gx = (g_c * xh).sum(dims)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            scale = invstd if weight is None else invstd * weight
-            grad_x = (
-                g_c - _channel_view(sum_g / count, nd) - xh * _channel_view(sum_gx / count, nd)
-            ) * _channel_view(scale, nd)
-            grad_x = grad_x.to(ctx.x_dtype)
-        if ctx.has_weight and ctx.needs_input_grad[1]:
-            grad_w = sum_gx.to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = sum_g.to(bias.dtype)
+            xh = y - _channel_view(bias, nd) if bias is not None else y
+        # torch's training-mode batch-norm backward evaluated at input x_hat with mean 0 and invstd 1
+        # computes dx = (g - mean(g) - x_hat * mean(g * x_hat)) * w', dw = sum(g * x_hat), db = sum(g);
+        # with w' = weight * invstd this is exactly the gradient of the original batch norm.
+        scale = invstd if weight is None else invstd * weight
+        c = scale.numel()
+        mask = [
+            ctx.needs_input_grad[0],
+            ctx.has_weight and ctx.needs_input_grad[1],
+            ctx.has_bias and ctx.needs_input_grad[2],
+        ]
+        stat_dtype = invstd.dtype
+        zeros = torch.zeros(c, dtype=stat_dtype, device=y.device)
+        ones = torch.ones(c, dtype=stat_dtype, device=y.device)
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            g.to(xh.dtype), xh, scale.to(xh.dtype), None, None, zeros, ones, True, 0.0, mask
+        )
+        grad_x = gx.to(ctx.x_dtype) if gx is not None else None
+        grad_w = gw.to(weight.dtype) if mask[1] else None
+        grad_b = gb.to(bias.dtype) if mask[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

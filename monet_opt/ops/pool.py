@@ -34,39 +34,56 @@ def _window_starts(out_hw, stride, padding, device):
 
 
 class MaxPool2dIndices(torch.autograd.Function):
+    """Keeps off = kh * kW + kw, the argmax's position in its window; torch's flat index is
+    idx = (h0 + kh * dH) * W + (w0 + kw * dW) with (h0, w0) the window's top-left corner."""
+
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
         out, idx = torch.ops.aten.max_pool2d_with_indices(
             x, kernel_size, stride, padding, dilation, ceil_mode
         )
         W = x.size(-1)
+        kH, kW = kernel_size
         h0, w0 = _window_starts(out.shape[-2:], stride, padding, x.device)
-        ih = torch.div(idx, W, rounding_mode="floor")
-        iw = idx - ih * W
-        kh = torch.div(ih - h0, dilation[0], rounding_mode="floor")
-        kw = torch.div(iw - w0, dilation[1], rounding_mode="floor")
-        off = (kh * kernel_size[1] + kw).to(_offset_dtype(kernel_size[0] * kernel_size[1]))
-        del idx, ih, iw, kh, kw
-        ctx.params = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+        if dilation == (1, 1):
+            # off = (ih - h0) * kW + (iw - w0) with iw = idx - ih * W
+            ih = torch.div(idx, W, rounding_mode="floor")
+            off = idx.add_(ih, alpha=kW - W).sub_(h0 * kW + w0)
+        else:
+            ih = torch.div(idx, W, rounding_mode="floor")
+            iw = idx.sub_(ih * W)
+            kh = ih.sub_(h0).div_(dilation[0], rounding_mode="floor")
+            kw = iw.sub_(w0).div_(dilation[1], rounding_mode="floor")
+            off = kh.mul_(kW).add_(kw)
+        off = off.to(_offset_dtype(kH * kW))
+        del idx, ih
+        ctx.params = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), bool(ceil_mode))
         ctx.in_shape = x.shape
+        ctx.in_dtype = x.dtype
         ctx.save_for_backward(off)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (off,) = ctx.saved_tensors
-        kernel_size, stride, padding, dilation = ctx.params
-        H, W = ctx.in_shape[-2:]
+        kernel_size, stride, padding, dilation, ceil_mode = ctx.params
+        kW = kernel_size[1]
+        W = ctx.in_shape[-1]
         h0, w0 = _window_starts(g.shape[-2:], stride, padding, g.device)
         off = off.long()
-        kh = torch.div(off, kernel_size[1], rounding_mode="floor")
-        kw = off - kh * kernel_size[1]
-        idx = (h0 + kh * dilation[0]) * W + (w0 + kw * dilation[1])
-        del off, kh, kw
-        lead = g.shape[:-2]
-        grad_in = g.new_zeros(lead + (H * W,))
-        grad_in.scatter_add_(-1, idx.reshape(lead + (-1,)), g.reshape(lead + (-1,)))
-        return grad_in.view(ctx.in_shape), None, None, None, None, None
+        kh = torch.div(off, kW, rounding_mode="floor")
+        if dilation == (1, 1):
+            idx = off.add_(kh, alpha=W - kW).add_(h0 * W + w0)
+        else:
+            kw = off.sub_(kh * kW)
+            idx = kh.mul_(dilation[0] * W).add_(kw.mul_(dilation[1])).add_(h0 * W + w0)
+        del kh
+        # torch's own max-pool backward; it reads only the sizes of its `self` argument.
+        shape_only = torch.empty((1,), dtype=ctx.in_dtype, device=g.device).expand(ctx.in_shape)
+        grad_in = torch.ops.aten.max_pool2d_with_indices_backward(
+            g, shape_only, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode, idx
+        )
+        return grad_in, None, None, None, None, None
 
 
 def max_pool2d_indices(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
