@@ -72,6 +72,8 @@ class _Model:
         self.vals: list[float] = []
         self.r_lo: list[float] = []
         self.r_hi: list[float] = []
+        self.r_tag: list[tuple] = []  # what each row says (for debugging and tests)
+        self.tag: tuple = ()
 
     def var(self, cost: float = 0.0, lb: float = 0.0, ub: float = 1.0, integer: bool = True) -> int:
         self.cost.append(cost)
@@ -87,6 +89,7 @@ class _Model:
         self.vals.extend(coefs)
         self.r_lo.append(lo)
         self.r_hi.append(hi)
+        self.r_tag.append(self.tag)
         return r
 
 
@@ -163,13 +166,16 @@ class Formulation:
         for s, t in enumerate(an.bw):
             Ss, As, Rs = self.S[s], self.A[s], self.R[s]
             # backward needs a state
+            md.tag = ("need_state", s, t)
             cols = list(As.get(t, [])) + list(Rs.get(t, []))
             md.row(cols, [1.0] * len(cols), 1.0, 1.0)
             # at most one state per node
+            md.tag = ("one_state", s, t)
             for i, ac in As.items():
                 if len(ac) > 1 and i != t:
                     md.row(ac, [1.0] * len(ac), -INF, 1.0)
             # recompute needs inputs; no second copy
+            md.tag = ("inputs", s, t)
             for i, rc in Rs.items():
                 for j in an.uinputs[i]:
                     cc = rc + [Ss[j]] + Rs.get(j, [])
@@ -177,15 +183,18 @@ class Formulation:
                 if not an.is_view[i]:
                     md.row(rc + [Ss[i]], [1.0] * (len(rc) + 1), -INF, 1.0)
             # storages held by states
+            md.tag = ("kept", s, t)
             for c, ac in As.items():
                 for m, col in enumerate(ac):
                     for b in an.kept_bases[c][m]:
                         md.row([col, Ss[b]], [1.0, -1.0], -INF, 0.0)
             # views hold their base
+            md.tag = ("view", s, t)
             for v in range(t + 1 if s > 0 else n):
                 if an.is_view[v] and v not in user and v <= t:
                     md.row([Ss[v], Ss[an.base[v]]], [1.0, -1.0], -INF, 0.0)
             # carry to the next stage
+            md.tag = ("carry", s, t)
             if s + 1 < T:
                 t2 = an.bw[s + 1]
                 S2, A2 = self.S[s + 1], self.A[s + 1]
@@ -201,6 +210,7 @@ class Formulation:
                         cc = [ac2[m], ac[m]] + ([rc[m]] if rc else [])
                         md.row(cc, [1.0] + [-1.0] * (len(cc) - 1), -INF, 0.0)
             # memory while recomputing: everything held at the start plus everything recomputed
+            md.tag = ("mem_rec", s, t)
             if Rs or s == 0:
                 cols, coefs = [], []
                 for i in range(t + 1):
@@ -237,6 +247,7 @@ class Formulation:
                         md.row([w] + rc, [1.0] + [-float(x) for x in ws], 0.0, INF)
                 md.row(cols, coefs, -INF, budget - an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
+            md.tag = ("mem_bwd", s, t)
             cols, coefs = [], []
             tcols = [(m, c) for m, c in enumerate(As.get(t, []))] + [
                 (m, c) for m, c in enumerate(Rs.get(t, []))
@@ -273,6 +284,7 @@ class Formulation:
             md.row(cols, coefs, -INF, budget - an.stage_const[s] - an.bwd_extra_base[s])
 
         # forward memory per step
+        md.tag = ("mem_fwd",)
         S0 = self.S[0]
         F = self.A[0]
         st_cols: list[int] = []
@@ -378,10 +390,9 @@ class Formulation:
         )
 
     def violations(self, x: np.ndarray, tol: float = 1e-6) -> list[int]:
+        """Rows (>= 0) and columns (-1 - col) that `x` violates, with absolute tolerance `tol`."""
         act, lo, hi = self.row_activity(x)
-        bad = np.nonzero(
-            (act < lo - tol * np.maximum(1, np.abs(lo))) | (act > hi + tol * np.maximum(1, np.abs(hi)))
-        )[0]
+        bad = np.nonzero((act < lo - tol) | (act > hi + tol))[0]
         xb = np.asarray(self.md.lb)
         ub = np.asarray(self.md.ub)
         badc = np.nonzero((x < xb - tol) | (x > ub + tol))[0]

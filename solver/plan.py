@@ -164,6 +164,7 @@ def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
     """
     F = {i for i in F if an.rb[i]} | {i for i in an.user_held if an.rb[i]}
     avail = set(K) | set(an.user_held)
+    avail |= {an.base[v] for v in avail}  # a held view holds its base storage: keep its handle too
     for i in F:
         avail.update(an.kept_bases[i][impl[i]])
     states: dict[int, int] = {i: impl[i] for i in F}

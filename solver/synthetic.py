@@ -348,7 +348,7 @@ def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool
     return b.problem(fixed_bytes=rng.randint(0, 5) * 1000)
 
 
-def test_problems() -> dict[str, Problem]:
+def problem_zoo() -> dict[str, Problem]:
     """The small zoo the strategy tests sweep over."""
     return {
         "chain8": chain(8, seed=1),

@@ -1,0 +1,105 @@
+"""The solver's contract: torch-free import, JSON round trips, clear errors, simulator validity checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from solver import (
+    FingerprintMismatch,
+    Problem,
+    ProblemError,
+    Schedule,
+    ScheduleError,
+    ScheduleInvalid,
+    Stage,
+    Step,
+    no_recompute,
+    simulate,
+)
+from solver.synthetic import chain, random_dag, resnet
+
+
+def test_import_solver_pulls_no_torch():
+    code = (
+        "import sys, solver, solver.milp, solver.baselines, solver.bounds, solver.synthetic; "
+        "sys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr or "importing solver imported torch"
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: chain(8, seed=1), lambda: resnet(50, seed=2), lambda: random_dag(12, 3)]
+)
+def test_problem_and_schedule_json_round_trip(tmp_path, make):
+    p = make()
+    p.to_json(tmp_path / "p.json")
+    q = Problem.from_json(tmp_path / "p.json")
+    assert q == p
+    s = no_recompute(p)
+    s.to_json(tmp_path / "s.json")
+    s2 = Schedule.from_json(tmp_path / "s.json")
+    assert s2.stages == s.stages
+    assert s2.predicted_peak_bytes == s.predicted_peak_bytes
+    assert simulate(q, s2).peak_bytes == s.predicted_peak_bytes
+
+
+def test_corrupt_and_wrong_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        Problem.from_json(bad)
+    with pytest.raises(ValueError, match="corrupt"):
+        Schedule.from_json(bad)
+    p = chain(6)
+    d = p.to_dict()
+    with pytest.raises(ProblemError, match="kind"):
+        Problem.from_dict({**d, "kind": "something else"})
+    with pytest.raises(ProblemError, match="format_version"):
+        Problem.from_dict({**d, "format_version": 99})
+    sd = no_recompute(p).to_dict()
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({**sd, "format_version": 99}))
+    with pytest.raises(ScheduleError, match="format_version"):
+        Schedule.from_json(f)
+    with pytest.raises(ScheduleError, match="kind"):
+        Schedule.from_dict({**sd, "kind": "nope"})
+
+
+def test_fingerprint_mismatch():
+    a, b = chain(8, seed=1), chain(8, seed=2)
+    s = no_recompute(a)
+    with pytest.raises(FingerprintMismatch, match="solve again"):
+        simulate(b, s)
+
+
+def _with_stages(s: Schedule, stages) -> Schedule:
+    return Schedule(**{**s.__dict__, "stages": tuple(stages)})
+
+
+def test_simulator_rejects_invalid_schedules():
+    p = chain(6, seed=0)
+    s = no_recompute(p)
+    fwd = list(s.stages[0].steps)
+    names = [n.name for n in p.nodes]
+    # value used before it exists: swap the first two computes
+    computes = [st for st in fwd if st.op == "compute"]
+    bad_fwd = [computes[1], computes[0]] + fwd[2:]
+    with pytest.raises(ScheduleInvalid, match=rf"stage 'forward'.*{names[1]}.*{names[0]}"):
+        simulate(p, _with_stages(s, [Stage("forward", tuple(bad_fwd))] + list(s.stages[1:])))
+    # freed value used: free node 0 right after computing it
+    bad_fwd = [fwd[0], Step("free_value", names[0])] + fwd[1:]
+    with pytest.raises(ScheduleInvalid, match=rf"{names[1]}.*{names[0]}.*not available"):
+        simulate(p, _with_stages(s, [Stage("forward", tuple(bad_fwd))] + list(s.stages[1:])))
+    # backward without state: forward with grad=False everywhere
+    nograd = [Step(st.op, st.node, st.impl, False) if st.op == "compute" else st for st in fwd]
+    first_bw = s.stages[1].name
+    with pytest.raises(ScheduleInvalid, match=rf"{first_bw}.*no backward state"):
+        simulate(p, _with_stages(s, [Stage("forward", tuple(nograd))] + list(s.stages[1:])))
+    # missing backward
+    with pytest.raises(ScheduleInvalid, match="never run backward"):
+        simulate(p, _with_stages(s, list(s.stages[:-1])))

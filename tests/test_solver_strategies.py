@@ -1,0 +1,134 @@
+"""Every strategy's schedule is valid under the simulator and fits; the MILP beats the baselines;
+the lower bound is below every schedule's peak; the MILP's memory rows bound the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, simulate, solve
+from solver import baselines as B
+from solver.milp import Formulation
+from solver.synthetic import problem_zoo
+
+PROBLEMS = problem_zoo()
+FRACTIONS = (0.9, 0.7, 0.5)
+
+
+def _check(problem, schedule, budget=None):
+    sim = simulate(problem, schedule)
+    assert sim.peak_bytes == schedule.predicted_peak_bytes
+    assert abs(sim.time_s - schedule.predicted_time_s) < 1e-12
+    if budget is not None:
+        assert sim.peak_bytes <= budget
+    names = [st.name for st in schedule.stages]
+    an = B.analysis(problem)
+    assert names == ["forward"] + [f"backward:{an.names[t]}" for t in an.bw]
+    return sim
+
+
+def _random_policies(problem, k, seed):
+    an = B.analysis(problem)
+    rng = random.Random(seed)
+    for _ in range(k):
+        impl = [rng.randrange(len(ims)) for ims in an.impls]
+        p_f = rng.random()
+        F = {i for i in range(an.n) if an.rb[i] and rng.random() < p_f}
+        K = {i for i in range(an.n) if rng.random() < rng.random()}
+        yield impl, F, K
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_baselines_valid_and_above_lower_bound(name):
+    p = PROBLEMS[name]
+    lb = min_feasible_lower_bound(p)
+    nr = B.no_recompute(p)
+    peak0 = nr.predicted_peak_bytes
+    for s in B.all_baselines(p, None).values():
+        sim = _check(p, s)
+        assert lb <= sim.peak_bytes, s.strategy
+    for f in FRACTIONS:
+        g = B.greedy(p, int(f * peak0), time_limit=3)
+        if g is not None:
+            sim = _check(p, g, int(f * peak0))
+            assert lb <= sim.peak_bytes
+    for impl, F, K in _random_policies(p, 25, seed=len(name)):
+        s = B.policy_schedule(p, impl, F, K)
+        sim = _check(p, s)
+        assert lb <= sim.peak_bytes
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_milp_rows_bound_the_simulator(name):
+    """A plan that the MILP accepts at budget b has simulated peak <= b, with objective == time."""
+    p = PROBLEMS[name]
+    an = B.analysis(p)
+    scheds = list(B.all_baselines(p, None).values())
+    scheds += [B.policy_schedule(p, *pol) for pol in _random_policies(p, 15, seed=7)]
+    for s in scheds:
+        plan = B.plan_of(p, s)
+        peak = s.predicted_peak_bytes
+        loose = Formulation(an, 10 * peak + 10**9)
+        x = loose.plan_to_vector(plan)
+        assert not loose.violations(x), s.strategy
+        assert abs(loose.objective(x) - s.predicted_time_s) < 1e-9
+        tight = Formulation(an, peak - 1)
+        assert tight.violations(tight.plan_to_vector(plan)), "MILP accepts a plan over budget"
+
+
+@pytest.mark.parametrize("name", ["chain8", "chain12", "random10", "random16", "random24", "resnet50"])
+@pytest.mark.parametrize("frac", FRACTIONS)
+def test_solve_fits_and_beats_baselines(name, frac):
+    p = PROBLEMS[name]
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    budget = int(frac * peak0)
+    lb = min_feasible_lower_bound(p)
+    base = B.best_baseline(p, budget, greedy_time=2)
+    try:
+        s = solve(p, budget, time_limit=8, verbose=False)
+    except NoScheduleFound as exc:
+        assert base is None
+        assert exc.minimum_bytes > budget
+        return
+    except InfeasibleBudget as exc:
+        assert base is None
+        assert budget < exc.minimum_bytes
+        return
+    assert budget >= lb
+    _check(p, s, budget)
+    assert s.budget_bytes == budget
+    assert s.solver.status in ("optimal", "time_limit") or s.solver.status.startswith("fallback:")
+    if base is not None:
+        assert s.predicted_time_s <= base.predicted_time_s * (1 + 1e-9) + 1e-12
+
+
+def test_fractional_budget_and_solver_info():
+    p = PROBLEMS["chain8"]
+    s = solve(p, 0.9, time_limit=5, verbose=False)
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    assert s.budget_bytes == int(0.9 * peak0)
+    assert s.solver.name == "highs-milp"
+    assert s.solver.gap is not None and s.solver.gap <= 0.011
+    assert s.predicted_peak_bytes <= s.budget_bytes
+    with pytest.raises(ValueError):
+        solve(p, 1.5, time_limit=1, verbose=False)
+
+
+@pytest.mark.parametrize("name", ["chain8", "resnet50", "random16"])
+def test_infeasible_budget_states_minimum(name):
+    p = PROBLEMS[name]
+    lb = min_feasible_lower_bound(p)
+    with pytest.raises(InfeasibleBudget, match=str(lb)) as ei:
+        solve(p, lb - 1, time_limit=2, verbose=False)
+    assert ei.value.minimum_bytes == lb
+    assert isinstance(ei.value, ValueError)
+
+
+def test_verbose_logs(capsys):
+    solve(PROBLEMS["chain8"], 0.9, time_limit=3, verbose=True)
+    err = capsys.readouterr().err
+    assert "[solver]" in err
+    solve(PROBLEMS["chain8"], 0.9, time_limit=3, verbose=False)
+    out = capsys.readouterr()
+    assert out.err == "" and out.out == ""
