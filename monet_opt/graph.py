@@ -117,6 +117,11 @@ class OpNode:
     aliases_model_input: bool = False
 
     @property
+    def requires_backward(self) -> bool:
+        """Gradient flows through this node (its output requires grad)."""
+        return self.is_tensor and self.requires_grad
+
+    @property
     def saved_private_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved_storages if s.kind == "private")
 
@@ -389,6 +394,31 @@ def _snbytes(t: torch.Tensor) -> int:
         return 0
 
 
+def _set_tensor_meta(n: fx.Node, result: Any) -> None:
+    """Fill node.meta['tensor_meta'] / ['type'] the way ShapeProp does (best effort)."""
+    try:
+        from torch.fx.node import map_aggregate
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    except ImportError:  # pragma: no cover - private helpers moved
+        return
+    found = False
+
+    def extract(obj: Any) -> Any:
+        nonlocal found
+        if isinstance(obj, torch.Tensor):
+            found = True
+            return _extract_tensor_metadata(obj)
+        return obj
+
+    try:
+        meta = map_aggregate(result, extract)
+    except Exception:  # pragma: no cover
+        return
+    if found:
+        n.meta["tensor_meta"] = meta
+    n.meta["type"] = type(result)
+
+
 class _Measure(fx.Interpreter):
     """Runs the graph once, recording per-node facts (values are all kept alive,
     so storage addresses are never reused during the run)."""
@@ -434,7 +464,9 @@ class _Measure(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current_node = n
         if n.op not in ("call_module", "call_function", "call_method"):
-            return super().run_node(n)
+            result = super().run_node(n)
+            _set_tensor_meta(n, result)
+            return result
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         input_nodes = [a for a in _flatten((n.args, n.kwargs)) if isinstance(a, fx.Node)]
         op_inputs = [a for a in input_nodes if a.name in self.op_names]
@@ -456,6 +488,7 @@ class _Measure(fx.Interpreter):
             result = super().run_node(n)
         self.keep.append(result)
         self.keep.extend(saved)
+        _set_tensor_meta(n, result)
 
         out_ts = _tensors(result)
         all_in_keys = set().union(*in_keys) if in_keys else set()
@@ -681,7 +714,11 @@ def trace(
     op_names = {n.name for n in call_nodes}
 
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    rng_devices = [device] if device.type == "cuda" else []
+    rng_devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     meter = _Measure(gm, op_names)
     try:

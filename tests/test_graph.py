@@ -136,12 +136,14 @@ def test_kinds(traced):
 
 def test_shapes_match_shapeprop(traced):
     name, model, x, g = traced
+    ours = {n.name: _flatten_meta(n.meta.get("tensor_meta")) for n in g.gm.graph.nodes}
     torch.manual_seed(0)
     ShapeProp(g.gm).propagate(x)
     by_name = {n.name: n for n in g.gm.graph.nodes}
     for n in g.nodes:
         ref = _flatten_meta(by_name[n.name].meta.get("tensor_meta"))
         assert n.shapes == ref, n.name
+        assert ours[n.name] == ref, n.name  # trace() leaves ShapeProp-style meta on the gm
         assert len(n.dtypes) == len(n.shapes)
         assert n.is_tensor == bool(n.shapes)
 
