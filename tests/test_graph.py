@@ -371,3 +371,39 @@ def test_bad_inputs():
         trace(nn.Linear(2, 2), [[1, 2]])
     with pytest.raises(TypeError):
         trace(lambda x: x, torch.randn(2))
+
+
+@torch.fx.wrap
+def _fails_when_run(x):
+    raise RuntimeError("kernel exploded")
+
+
+def test_graph_run_failure_names_the_node():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _fails_when_run(self.lin(x))
+
+    with pytest.raises(TraceError, match="_fails_when_run") as info:
+        trace(Boom(), torch.randn(2, 4))
+    assert info.value.node == "_fails_when_run"
+    assert "kernel exploded" in str(info.value)
+
+
+def test_traced_graph_that_differs_from_eager_is_refused():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1  # Python state: fx bakes in the value seen while tracing
+            return x * self.calls
+
+    with pytest.raises(TraceError, match="differs from the eager model"):
+        trace(Counter(), torch.randn(2, 4))
+    g = trace(Counter(), torch.randn(2, 4), check=False)
+    assert [n.kind for n in g.nodes] == ["mul"]
