@@ -417,10 +417,17 @@ POOL_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("width", [18, 200])  # 200: offsets relative to the corner overflow uint8
 @pytest.mark.parametrize("cfg", POOL_CONFIGS, ids=[str(c) for c in POOL_CONFIGS])
-def test_maxpool_implementations_match(cfg):
+def test_maxpool_implementations_match(cfg, width):
+    from monet_opt.ops.pool import _plan
+
     pool = nn.MaxPool2d(**cfg)
-    x0 = torch.randn(2, 3, 19, 18)
+    x0 = torch.randn(2, 3, 19, width)
+    if width == 200 and cfg["kernel_size"] not in (2, 17):
+        assert _plan(
+            nn.modules.utils._pair(cfg["kernel_size"]), nn.modules.utils._pair(cfg.get("dilation", 1)), width
+        ) == ("window", torch.uint8)
     x0[0, 0, :4, :4] = 1.0  # ties: must resolve as torch does
     xr = x0.clone().requires_grad_()
     ref = pool(xr)

@@ -19,21 +19,27 @@ from .common import first_tensor, out_of_place_default, pack_bits, unpack_bits
 # ------------------------------------------------------------------ autograd functions
 
 
+def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, numel: int, shape) -> torch.Tensor:
+    """grad where the packed mask is set, else 0 -- via threshold_backward, like torch's relu backward
+    (so inf/NaN gradients at masked positions become 0, not NaN)."""
+    mask = unpack_bits(packed, numel, shape).view(torch.uint8).to(grad.dtype)
+    return torch.ops.aten.threshold_backward(grad, mask, 0)
+
+
 class ReLUBitmask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(x)
         # torch's backward: grad where result > 0, i.e. not (result <= 0) (NaN passes the gradient).
         ctx.numel, ctx.shape = y.numel(), y.shape
-        # relu's output is >= 0 or NaN, so "not (y <= 0)" is "y != 0".
-        ctx.save_for_backward(pack_bits(y.ne(0)))
+        # relu's output is >= 0 or NaN, so "not (y <= 0)" is "y != 0", i.e. y.bool().
+        ctx.save_for_backward(pack_bits(y.bool()))
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        mask = unpack_bits(packed, ctx.numel, ctx.shape)
-        return torch.where(mask, grad, grad.new_zeros(()))
+        return _masked_grad(grad, packed, ctx.numel, ctx.shape)
 
 
 class HardtanhBitmask(torch.autograd.Function):
@@ -41,8 +47,10 @@ class HardtanhBitmask(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
         y = F.hardtanh(x, min_val, max_val)
         # torch's hardtanh_backward: 0 where input <= min or input >= max, else grad.
-        # lo < x < hi (or x is NaN) exactly when the clamped output differs from both bounds.
-        keep = y.ne(min_val).logical_and_(y.ne(max_val))
+        # lo < x < hi (or x is NaN) exactly when the clamped output y is strictly inside (or NaN):
+        # hardtanh_backward(1, y) is 1 there and 0 elsewhere.
+        ones = torch.ones((), dtype=y.dtype, device=y.device).expand_as(y)
+        keep = torch.ops.aten.hardtanh_backward(ones, y, min_val, max_val).bool()
         ctx.numel, ctx.shape = y.numel(), y.shape
         ctx.save_for_backward(pack_bits(keep))
         return y
@@ -50,8 +58,7 @@ class HardtanhBitmask(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        mask = unpack_bits(packed, ctx.numel, ctx.shape)
-        return torch.where(mask, grad, grad.new_zeros(())), None, None
+        return _masked_grad(grad, packed, ctx.numel, ctx.shape), None, None
 
 
 def relu_bitmask(x: torch.Tensor) -> torch.Tensor:

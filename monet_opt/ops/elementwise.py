@@ -32,7 +32,7 @@ class DropoutBitmask(torch.autograd.Function):
             ctx.fused = True
         else:
             noise = torch.empty_like(x).bernoulli_(1 - p)
-            mask = noise.ne(0)
+            mask = noise.bool()
             noise.div_(1 - p)
             out = x * noise
             ctx.fused = False
@@ -50,7 +50,7 @@ class DropoutBitmask(torch.autograd.Function):
         if ctx.fused:
             return torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p)), None
         # Same values as CPU's noise tensor: 1 * (1/(1-p)) computed like noise.div_(1-p), or 0.
-        noise = mask.to(g.dtype).div_(1 - p)
+        noise = mask.view(torch.uint8).to(g.dtype).div_(1 - p)
         return g * noise, None
 
 

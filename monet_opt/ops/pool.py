@@ -1,9 +1,11 @@
 """Max pooling (2d) whose backward keeps only compressed argmax offsets; other pools default.
 
 - "default": torch's max_pool2d; backward keeps the input and int64 indices (per output element).
-- "indices": backward keeps, per output element, the argmax's offset inside its kernel window
-  (uint8 when kH*kW <= 256, else int16/int32), built from torch's own indices (so ties resolve
-  exactly as torch does). Backward rebuilds the flat indices and scatter-adds the gradient.
+- "indices": backward keeps, per output element, the argmax's position inside its kernel window
+  (uint8 when kH*kW <= 256, else int16/int32), derived from torch's own indices (so ties resolve
+  exactly as torch does). Backward rebuilds the flat indices and calls torch's max-pool backward.
+  When it fits the same dtype, the position is stored as idx - (window corner index), which
+  avoids integer divisions (e.g. 3x3 windows on rows up to 126 wide); otherwise as kh * kW + kw.
 """
 
 from __future__ import annotations
@@ -33,9 +35,21 @@ def _window_starts(out_hw, stride, padding, device):
     return oh, ow
 
 
+def _plan(kernel_size, dilation, W):
+    """Offset encoding and its dtype. "rel": idx - (h0 * W + w0), no division, used when it fits the
+    same dtype as the window offset kh * kW + kw ("window", which needs an integer division)."""
+    kH, kW = kernel_size
+    max_rel = (kH - 1) * dilation[0] * W + (kW - 1) * dilation[1]
+    window_dtype = _offset_dtype(kH * kW)
+    rel_dtype = _offset_dtype(max_rel + 1)
+    if rel_dtype == window_dtype:
+        return "rel", rel_dtype
+    return "window", window_dtype
+
+
 class MaxPool2dIndices(torch.autograd.Function):
-    """Keeps off = kh * kW + kw, the argmax's position in its window; torch's flat index is
-    idx = (h0 + kh * dH) * W + (w0 + kw * dW) with (h0, w0) the window's top-left corner."""
+    """Keeps, per output element, where its argmax lies in its window. torch's flat index is
+    idx = (h0 + kh * dH) * W + (w0 + kw * dW), (h0, w0) the window's top-left corner."""
 
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
@@ -45,19 +59,26 @@ class MaxPool2dIndices(torch.autograd.Function):
         W = x.size(-1)
         kH, kW = kernel_size
         h0, w0 = _window_starts(out.shape[-2:], stride, padding, x.device)
-        if dilation == (1, 1):
-            # off = (ih - h0) * kW + (iw - w0) with iw = idx - ih * W
-            ih = torch.div(idx, W, rounding_mode="floor")
-            off = idx.add_(ih, alpha=kW - W).sub_(h0 * kW + w0)
+        base = h0 * W + w0
+        mode, dtype = _plan(kernel_size, dilation, W)
+        if mode == "rel":
+            off = idx.sub_(base).to(dtype)
         else:
             ih = torch.div(idx, W, rounding_mode="floor")
             iw = idx.sub_(ih * W)
             kh = ih.sub_(h0).div_(dilation[0], rounding_mode="floor")
             kw = iw.sub_(w0).div_(dilation[1], rounding_mode="floor")
-            off = kh.mul_(kW).add_(kw)
-        off = off.to(_offset_dtype(kH * kW))
-        del idx, ih
-        ctx.params = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), bool(ceil_mode))
+            off = kh.mul_(kW).add_(kw).to(dtype)
+            del ih, iw, kh, kw
+        del idx
+        ctx.params = (
+            tuple(kernel_size),
+            tuple(stride),
+            tuple(padding),
+            tuple(dilation),
+            bool(ceil_mode),
+            mode,
+        )
         ctx.in_shape = x.shape
         ctx.in_dtype = x.dtype
         ctx.save_for_backward(off)
@@ -66,18 +87,19 @@ class MaxPool2dIndices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (off,) = ctx.saved_tensors
-        kernel_size, stride, padding, dilation, ceil_mode = ctx.params
+        kernel_size, stride, padding, dilation, ceil_mode, mode = ctx.params
         kW = kernel_size[1]
         W = ctx.in_shape[-1]
         h0, w0 = _window_starts(g.shape[-2:], stride, padding, g.device)
-        off = off.long()
-        kh = torch.div(off, kW, rounding_mode="floor")
-        if dilation == (1, 1):
-            idx = off.add_(kh, alpha=W - kW).add_(h0 * W + w0)
+        base = h0 * W + w0
+        if mode == "rel":
+            idx = off.long().add_(base)
         else:
+            off = off.long()
+            kh = torch.div(off, kW, rounding_mode="floor")
             kw = off.sub_(kh * kW)
-            idx = kh.mul_(dilation[0] * W).add_(kw.mul_(dilation[1])).add_(h0 * W + w0)
-        del kh
+            idx = kh.mul_(dilation[0] * W).add_(kw.mul_(dilation[1])).add_(base)
+            del kh, kw
         # torch's own max-pool backward; it reads only the sizes of its `self` argument.
         shape_only = torch.empty((1,), dtype=ctx.in_dtype, device=g.device).expand(ctx.in_shape)
         grad_in = torch.ops.aten.max_pool2d_with_indices_backward(
