@@ -467,7 +467,6 @@ class _Measure(fx.Interpreter):
             result = super().run_node(n)
             _set_tensor_meta(n, result)
             return result
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
         input_nodes = [a for a in _flatten((n.args, n.kwargs)) if isinstance(a, fx.Node)]
         op_inputs = [a for a in input_nodes if a.name in self.op_names]
         # storages of each OpNode input position, and versions (in-place detection)
@@ -516,11 +515,10 @@ class _Measure(fx.Interpreter):
             self._sid(k)
             self.storage_owner.setdefault(k, n.name)
         alias_of = None
-        if out_ts and not owned and alias_positions and all(p is not None for p in alias_positions):
-            if len(set(alias_positions)) == 1:
-                alias_of = alias_positions[0]
-            else:
-                alias_of = alias_positions[0]
+        if not owned and alias_positions and all(p is not None for p in alias_positions):
+            # a view (or in-place result) of input storage; with several aliased
+            # inputs (rare: a tuple of views) the first one is named
+            alias_of = alias_positions[0]
 
         # saved tensors, deduplicated by storage
         saved_storages: list[SavedStorage] = []
