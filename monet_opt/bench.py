@@ -16,12 +16,30 @@ from solver.schedule import Schedule
 MiB = 2**20
 
 
+_LOSS_WEIGHTS: dict[tuple, torch.Tensor] = {}
+
+
 def loss_of(output: Any) -> torch.Tensor:
-    """A loss for any model output: mean of squares over every floating tensor."""
+    """A loss for any model output: a fixed random weighting of every floating tensor, summed.
+
+    The weights are made once per shape and kept, so they are not allocated inside
+    a measured step; the loss's only step-time allocation is the output's gradient.
+    """
     from torch.utils._pytree import tree_flatten
 
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return sum(t.float().square().mean() for t in tensors)
+    total = None
+    for t in tree_flatten(output)[0]:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            continue
+        key = (tuple(t.shape), t.dtype, t.device)
+        if key not in _LOSS_WEIGHTS:
+            gen = torch.Generator().manual_seed(1234)
+            _LOSS_WEIGHTS[key] = torch.randn(t.shape, generator=gen).to(t.device, t.dtype) / t.numel()
+        term = (t * _LOSS_WEIGHTS[key]).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("the model returned no floating-point tensor to build a loss from")
+    return total
 
 
 def zero_grad(model: nn.Module) -> None:
@@ -68,18 +86,29 @@ class BenchResult:
     def table(self) -> str:
         rows = [
             ("plain PyTorch", self.plain_peak_bytes, self.plain_step_s, "-"),
-            ("monet-opt (measured)", self.wrapped_peak_bytes, self.wrapped_step_s,
-             f"{self.wrapped_peak_bytes / self.plain_peak_bytes:.2f}x mem, "
-             f"{self.wrapped_step_s / self.plain_step_s - 1:+.1%} time"),
+            (
+                "monet-opt (measured)",
+                self.wrapped_peak_bytes,
+                self.wrapped_step_s,
+                f"{self.wrapped_peak_bytes / self.plain_peak_bytes:.2f}x mem, "
+                f"{self.wrapped_step_s / self.plain_step_s - 1:+.1%} time",
+            ),
             ("monet-opt (predicted)", self.predicted_peak_bytes, self.predicted_time_s, ""),
         ]
-        out = [f"{self.model}; budget {self.budget_bytes / MiB:.1f} MiB" if self.budget_bytes else self.model,
-               f"| {'run':<22} | {'peak MiB':>9} | {'step ms':>9} | vs plain |", "|---|---:|---:|---|"]
+        out = [
+            f"{self.model}; budget {self.budget_bytes / MiB:.1f} MiB" if self.budget_bytes else self.model,
+            f"| {'run':<22} | {'peak MiB':>9} | {'step ms':>9} | vs plain |",
+            "|---|---:|---:|---|",
+        ]
         for name, peak, t, note in rows:
             out.append(f"| {name:<22} | {peak / MiB:9.1f} | {t * 1e3:9.1f} | {note} |")
-        within = "within" if self.budget_bytes is None or self.wrapped_peak_bytes <= self.budget_bytes else "OVER"
-        out.append(f"measured peak is {within} the budget; measured/predicted = "
-                   f"{self.wrapped_peak_bytes / max(1, self.predicted_peak_bytes):.3f}")
+        within = (
+            "within" if self.budget_bytes is None or self.wrapped_peak_bytes <= self.budget_bytes else "OVER"
+        )
+        out.append(
+            f"measured peak is {within} the budget; measured/predicted = "
+            f"{self.wrapped_peak_bytes / max(1, self.predicted_peak_bytes):.3f}"
+        )
         return "\n".join(out)
 
 
@@ -90,19 +119,33 @@ def bench_schedule(schedule: Schedule, steps: int = 3, device: str | None = None
     meta = schedule.meta
     if "model" not in meta:
         raise ValueError("this schedule does not record its model (meta.model); bench it from Python instead")
-    spec = ModelSpec(meta["model"], batch=int(meta["batch"]), image=int(meta.get("image", 224)),
-                     seq=int(meta.get("seq", 128)))
+    spec = ModelSpec(
+        meta["model"],
+        batch=int(meta["batch"]),
+        image=int(meta.get("image", 224)),
+        seq=int(meta.get("seq", 128)),
+    )
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = spec.build().to(dev).train()
     inputs = spec.example_inputs(dev)
     return bench_model(model, inputs, schedule, steps, name=spec.describe())
 
 
-def bench_model(model: nn.Module, inputs: tuple, schedule: Schedule, steps: int = 3, name: str = "") -> BenchResult:
+def bench_model(
+    model: nn.Module, inputs: tuple, schedule: Schedule, steps: int = 3, name: str = ""
+) -> BenchResult:
     from monet_opt.runtime import MonetWrapper
 
     plain_peak, plain_t = measure_step(model, inputs, steps)
     wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
     peak, t = measure_step(wrapped, inputs, steps)
-    return BenchResult(name, schedule.budget_bytes, schedule.predicted_peak_bytes, schedule.predicted_time_s,
-                       plain_peak, plain_t, peak, t)
+    return BenchResult(
+        name,
+        schedule.budget_bytes,
+        schedule.predicted_peak_bytes,
+        schedule.predicted_time_s,
+        plain_peak,
+        plain_t,
+        peak,
+        t,
+    )

@@ -17,7 +17,9 @@ def _mib(n: float | None) -> str:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="torchvision model name (resnet50, vgg16, ...), 'gpt', or 'module.path:factory'")
+    p.add_argument(
+        "model", help="torchvision model name (resnet50, vgg16, ...), 'gpt', or 'module.path:factory'"
+    )
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--image", type=int, default=224, help="image side for vision models (default 224)")
     p.add_argument("--seq", type=int, default=128, help="sequence length for token models (default 128)")
@@ -46,13 +48,24 @@ def _problem(args, quiet: bool = False):
     inputs = spec.example_inputs(device)
     t0 = time.perf_counter()
     problem = build_problem(
-        model, inputs, device=device, use_cache=not args.no_cache, progress=not quiet,
-        meta={"model": spec.name, "batch": spec.batch, "image": spec.image, "seq": spec.seq,
-              "model_summary": spec.describe()},
+        model,
+        inputs,
+        device=device,
+        use_cache=not args.no_cache,
+        progress=not quiet,
+        meta={
+            "model": spec.name,
+            "batch": spec.batch,
+            "image": spec.image,
+            "seq": spec.seq,
+            "model_summary": spec.describe(),
+        },
     )
     if not quiet:
-        print(f"profiled {len(problem.nodes)} nodes of {spec.describe()} in {time.perf_counter() - t0:.1f} s "
-              f"({problem.meta.get('profile_cache_hits', 0)} cached measurements)")
+        print(
+            f"profiled {len(problem.nodes)} nodes of {spec.describe()} in {time.perf_counter() - t0:.1f} s "
+            f"({problem.meta.get('profile_cache_hits', 0)} cached measurements)"
+        )
     return spec, model, inputs, problem
 
 
@@ -72,12 +85,17 @@ def _summary(problem, schedule) -> str:
         + (f" ({schedule.budget_bytes / plain:.0%} of plain PyTorch's {_mib(plain)})" if plain else ""),
         f"predicted peak   {_mib(sim.peak_bytes)}",
         f"predicted time   {sim.time_s * 1e3:.1f} ms per step (plain {base_time * 1e3:.1f} ms, "
-        f"overhead {sim.time_s / base_time - 1:+.1%})" if base_time else f"predicted time   {sim.time_s:.3f} s",
+        f"overhead {sim.time_s / base_time - 1:+.1%})"
+        if base_time
+        else f"predicted time   {sim.time_s:.3f} s",
         f"recomputed       {len(rec)} of {len(problem.nodes)} nodes"
         + (f": {', '.join(list(rec)[:12])}{' ...' if len(rec) > 12 else ''}" if rec else ""),
         f"implementations  {len(changed)} non-default"
-        + (f": {', '.join(f'{k}={v}' for k, v in list(changed.items())[:8])}{' ...' if len(changed) > 8 else ''}"
-           if changed else ""),
+        + (
+            f": {', '.join(f'{k}={v}' for k, v in list(changed.items())[:8])}{' ...' if len(changed) > 8 else ''}"
+            if changed
+            else ""
+        ),
     ]
     return "\n".join(lines)
 
@@ -89,7 +107,9 @@ def cmd_solve(args) -> int:
     spec, model, inputs, problem = _problem(args)
     if args.problem_out:
         problem.to_json(args.problem_out)
-    _, schedule = solve_model(model, inputs, budget, time_limit=args.time_limit, verbose=True, problem=problem)
+    _, schedule = solve_model(
+        model, inputs, budget, time_limit=args.time_limit, verbose=True, problem=problem
+    )
     print(_summary(problem, schedule))
     if args.output:
         schedule.to_json(args.output)
@@ -107,24 +127,40 @@ def cmd_sweep(args) -> int:
     rows = []
     for b in budgets:
         try:
-            _, schedule = solve_model(model, inputs, b, time_limit=args.time_limit, verbose=False, problem=problem)
+            _, schedule = solve_model(
+                model, inputs, b, time_limit=args.time_limit, verbose=False, problem=problem
+            )
         except ValueError as exc:
             print(f"budget {b}: {exc}")
-            rows.append({"budget": b, "status": "infeasible", "predicted_peak_mib": "", "predicted_time_ms": "",
-                         "recomputed": "", "gap": "", "file": ""})
+            rows.append(
+                {
+                    "budget": b,
+                    "status": "infeasible",
+                    "predicted_peak_mib": "",
+                    "predicted_time_ms": "",
+                    "recomputed": "",
+                    "gap": "",
+                    "file": "",
+                }
+            )
             continue
         name = out / f"{spec.name}_b{spec.batch}_{b}.json"
         schedule.to_json(name)
-        rows.append({
-            "budget": b, "status": schedule.solver.status,
-            "predicted_peak_mib": round(schedule.predicted_peak_bytes / MiB, 2),
-            "predicted_time_ms": round(schedule.predicted_time_s * 1e3, 2),
-            "recomputed": len(schedule.recomputed()),
-            "gap": "" if schedule.solver.gap is None else round(schedule.solver.gap, 4),
-            "file": str(name),
-        })
-        print(f"budget {b}: peak {rows[-1]['predicted_peak_mib']} MiB, time {rows[-1]['predicted_time_ms']} ms, "
-              f"{schedule.solver.status} -> {name}")
+        rows.append(
+            {
+                "budget": b,
+                "status": schedule.solver.status,
+                "predicted_peak_mib": round(schedule.predicted_peak_bytes / MiB, 2),
+                "predicted_time_ms": round(schedule.predicted_time_s * 1e3, 2),
+                "recomputed": len(schedule.recomputed()),
+                "gap": "" if schedule.solver.gap is None else round(schedule.solver.gap, 4),
+                "file": str(name),
+            }
+        )
+        print(
+            f"budget {b}: peak {rows[-1]['predicted_peak_mib']} MiB, time {rows[-1]['predicted_time_ms']} ms, "
+            f"{schedule.solver.status} -> {name}"
+        )
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -141,13 +177,19 @@ def cmd_inspect(args) -> int:
     print(f"schedule {args.file}")
     print(f"  model        {m.get('model_summary', m.get('model', '?'))}")
     print(f"  made on      {m.get('device', '?')}, torch {m.get('torch', '?')}, {m.get('date', '?')}")
-    print(f"  strategy     {s.strategy} ({s.solver.name}, {s.solver.status}, gap "
-          f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}, {s.solver.solve_time_s:.1f} s)")
-    print(f"  budget       {_mib(s.budget_bytes)}; predicted peak {_mib(s.predicted_peak_bytes)}, "
-          f"time {s.predicted_time_s * 1e3:.1f} ms")
+    print(
+        f"  strategy     {s.strategy} ({s.solver.name}, {s.solver.status}, gap "
+        f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}, {s.solver.solve_time_s:.1f} s)"
+    )
+    print(
+        f"  budget       {_mib(s.budget_bytes)}; predicted peak {_mib(s.predicted_peak_bytes)}, "
+        f"time {s.predicted_time_s * 1e3:.1f} ms"
+    )
     if "measured_peak_bytes" in m:
-        print(f"  measured     peak {_mib(m['measured_peak_bytes'])}, step {m.get('measured_step_s', 0) * 1e3:.1f} ms "
-              f"(plain: {_mib(m.get('plain_peak_bytes'))}, {m.get('plain_step_s', 0) * 1e3:.1f} ms)")
+        print(
+            f"  measured     peak {_mib(m['measured_peak_bytes'])}, step {m.get('measured_step_s', 0) * 1e3:.1f} ms "
+            f"(plain: {_mib(m.get('plain_peak_bytes'))}, {m.get('plain_step_s', 0) * 1e3:.1f} ms)"
+        )
     impls = {k: v for k, v in s.impl_choice().items() if v != "default"}
     print(f"  implementations (non-default): {len(impls)}")
     for k, v in impls.items():
@@ -176,13 +218,17 @@ def cmd_bench(args) -> int:
 
 def cmd_profile(args) -> int:
     spec, model, inputs, problem = _problem(args)
-    print(f"{'node':<28} {'op':<22} {'out':>9} {'impl':<18} {'fwd ms':>8} {'bwd ms':>8} {'keeps':<14} {'state':>9}")
+    print(
+        f"{'node':<28} {'op':<22} {'out':>9} {'impl':<18} {'fwd ms':>8} {'bwd ms':>8} {'keeps':<14} {'state':>9}"
+    )
     for n in problem.nodes:
         for k, impl in enumerate(n.impls):
             keeps = ",".join([f"in{p}" for p in impl.keeps_inputs] + (["out"] if impl.keeps_output else []))
-            print(f"{n.name if k == 0 else '':<28} {n.op if k == 0 else '':<22} "
-                  f"{_mib(n.output_bytes) if k == 0 else '':>9} {impl.name:<18} {impl.fwd_time * 1e3:8.3f} "
-                  f"{impl.bwd_time * 1e3:8.3f} {keeps:<14} {_mib(impl.state_bytes):>9}")
+            print(
+                f"{n.name if k == 0 else '':<28} {n.op if k == 0 else '':<22} "
+                f"{_mib(n.output_bytes) if k == 0 else '':>9} {impl.name:<18} {impl.fwd_time * 1e3:8.3f} "
+                f"{impl.bwd_time * 1e3:8.3f} {keeps:<14} {_mib(impl.state_bytes):>9}"
+            )
     if args.output:
         problem.to_json(args.output)
         print(f"wrote {args.output}")
@@ -211,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("solve", help="profile a model and solve a schedule for a memory budget")
     _model_args(p)
-    p.add_argument("--budget", required=True, help="fraction of plain PyTorch's peak (0.5) or a size (800MB, 2GiB)")
+    p.add_argument(
+        "--budget", required=True, help="fraction of plain PyTorch's peak (0.5) or a size (800MB, 2GiB)"
+    )
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--problem-out", help="also write the profiled problem JSON here")
@@ -228,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("bench", help="run a schedule and plain PyTorch side by side: measured peak and step time")
+    p = sub.add_parser(
+        "bench", help="run a schedule and plain PyTorch side by side: measured peak and step time"
+    )
     p.add_argument("file")
     p.add_argument("--steps", type=int, default=3)
     p.set_defaults(func=cmd_bench)

@@ -49,7 +49,12 @@ class GPT(nn.Module):
     """A GPT-2-style decoder: token + position embeddings, pre-norm blocks, tied-free head."""
 
     def __init__(
-        self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, max_seq: int = 256,
+        self,
+        vocab: int = 512,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        max_seq: int = 256,
         dropout: float = 0.1,
     ) -> None:
         super().__init__()

@@ -224,8 +224,11 @@ def measure_node(
         else:
             private[key] = _storage_bytes(t)
     state_bytes = sum(private.values()) if needs_grad else 0
-    out_owned = sum(_storage_bytes(t) for t in {_storage_key(t): t for t in flat_out}.values()
-                    if _storage_key(t) not in input_ptrs)
+    out_owned = sum(
+        _storage_bytes(t)
+        for t in {_storage_key(t): t for t in flat_out}.values()
+        if _storage_key(t) not in input_ptrs
+    )
     fwd_workspace = max(0, measured.peak_bytes - out_owned - state_bytes)
     saved.clear()
 
@@ -251,7 +254,9 @@ def measure_node(
                     _sync(device)
                     btimes.append(time.perf_counter() - t0)
                 else:
-                    m = measure_peak(lambda r=root: torch.autograd.backward(r, torch.empty(0, device=r.device)))
+                    m = measure_peak(
+                        lambda r=root: torch.autograd.backward(r, torch.empty(0, device=r.device))
+                    )
                     in_grads = sum(_storage_bytes(x.grad) for x in leaves if x.grad is not None)
                     p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
                     bwd_workspace = max(0, m.peak_bytes - in_grads - p_grads)
@@ -320,8 +325,11 @@ def build_problem(
         env[p.name] = x
     op_names = {n.name for n in graph.nodes}
     fx_nodes = [n for n in gm.graph.nodes if n.name in op_names]
-    output_refs = {n.name for n in tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
-                   if isinstance(n, fx.Node)}
+    output_refs = {
+        n.name
+        for n in tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
+        if isinstance(n, fx.Node)
+    }
     remaining_users = {n.name: len(n.users) for n in gm.graph.nodes}
     bar = _progress(len(fx_nodes), progress, "profiling")
     started = time.perf_counter()
@@ -381,7 +389,9 @@ def build_problem(
             key = _signature(fx_node, target, args, kwargs, impl.name) + f":{grad_positions}"
             entry = cache.get(key)
             if entry is None:
-                entry = measure_node(fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats)
+                entry = measure_node(
+                    fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats
+                )
                 cache.put(key, entry)
             else:
                 hits += 1
@@ -405,9 +415,11 @@ def build_problem(
                 "inputs": tuple(inputs),
                 "output_bytes": 0 if alias_of is not None else sum(owned.values()),
                 "impls": tuple(impl_rows),
-                "grad_bytes": sum(t.numel() * t.element_size() for t in flat_out
-                                  if t.is_floating_point() or t.is_complex())
-                if fx_node.name in requires_grad else 0,
+                "grad_bytes": sum(
+                    t.numel() * t.element_size() for t in flat_out if t.is_floating_point() or t.is_complex()
+                )
+                if fx_node.name in requires_grad
+                else 0,
                 "alias_of": alias_of,
                 "is_output": fx_node.name in output_refs,
             }

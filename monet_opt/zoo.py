@@ -91,8 +91,9 @@ def shipped_schedules() -> list[tuple[Path, dict]]:
     return out
 
 
-def load_schedule(model: str, batch: int, image: int | None = None, budget: float = 0.5,
-                  seq: int | None = None) -> Schedule:
+def load_schedule(
+    model: str, batch: int, image: int | None = None, budget: float = 0.5, seq: int | None = None
+) -> Schedule:
     """The shipped schedule for (model, batch, image/seq) whose budget fraction is nearest."""
     matches = []
     for path, meta in shipped_schedules():

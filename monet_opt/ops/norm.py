@@ -1,8 +1,9 @@
 """Batch normalization (training) with an output-activated backward; other norms default only.
 
 - "default": the module itself (saves its input, plus per-channel mean/invstd). On recompute the
-  running statistics and num_batches_tracked are left untouched: the kernel runs on throwaway
-  copies of the running buffers, so the output is bitwise identical to the first computation.
+  running statistics and num_batches_tracked are left untouched: they are snapshotted and restored
+  around the very same call, so the output is bitwise identical to the first computation. This
+  covers every _NormBase module (BatchNorm*, SyncBatchNorm, InstanceNorm* with running stats).
 - "output_activated" (training only): as In-Place Activated BatchNorm, backward keeps the OUTPUT
   y (often kept anyway by the next op) and per-channel invstd, and reconstructs
   x_hat = (y - bias) / weight. Channels whose weight is exactly 0 cannot be reconstructed; for those
@@ -22,7 +23,8 @@ from torch import nn
 from .base import Implementation
 from .common import bind, first_tensor
 
-BN_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+BN_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)  # incl. Lazy variants
+_NormBase = nn.modules.batchnorm._NormBase  # batch norms (incl. SyncBatchNorm) and instance norms
 
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -117,15 +119,23 @@ def _module_bn_state(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
     return bn_training, rm, rv, factor
 
 
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def _module_default(target, args, kwargs, recompute):
-    x = first_tensor(args, kwargs)
-    if not recompute or not target.training or not target.track_running_stats or target.running_mean is None:
-        return target(x)
-    target._check_input_dim(x)
-    bn_training, rm, rv, factor = _module_bn_state(target, recompute=True)
-    return F.batch_norm(
-        x, rm.clone(), rv.clone(), target.weight, target.bias, bn_training, factor, target.eps
-    )
+    """The module itself. On recompute in training, its statistics buffers are snapshotted and
+    restored around the call: the very same code path runs (bitwise identical output, also for
+    SyncBatchNorm, InstanceNorm with running stats and custom _NormBase subclasses), and the
+    running statistics and counter end up untouched."""
+    if not (recompute and target.training and getattr(target, "track_running_stats", False)):
+        return target(*args, **kwargs)
+    saved = [(b, b.clone()) for b in (getattr(target, n, None) for n in _STAT_BUFFERS) if b is not None]
+    try:
+        return target(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
 
 
 def _module_output_activated(target, args, kwargs, recompute):
@@ -158,7 +168,7 @@ def _torch_batch_norm_default(target, args, kwargs, recompute):
 
 def matches(op: str, target: Any) -> bool:
     if op == "call_module":
-        return isinstance(target, BN_MODULES)
+        return isinstance(target, _NormBase)
     return op == "call_function" and target in (F.batch_norm, torch.batch_norm)
 
 
@@ -171,7 +181,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                 "nn.BatchNorm; backward keeps its input (running stats updated once)",
             )
         ]
-        if target.training:
+        if target.training and isinstance(target, BN_MODULES):
             impls.append(
                 Implementation(
                     "output_activated",
@@ -189,5 +199,5 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
 
 IMPLEMENTATION_NAMES = {
     "batch_norm (nn.BatchNorm1d/2d/3d, training)": ["default", "output_activated"],
-    "batch_norm (eval, F.batch_norm)": ["default"],
+    "batch_norm (eval, F.batch_norm), SyncBatchNorm, InstanceNorm": ["default"],
 }

@@ -26,8 +26,6 @@ from monet_opt.ops import implementations_for
 from monet_opt.ops.base import Implementation
 from solver.schedule import Schedule
 
-RANDOM_KINDS = ("dropout", "rand", "bernoulli", "multinomial", "normal_")
-
 
 class ScheduleRuntimeError(RuntimeError):
     """The schedule does not fit the model it is run on."""
@@ -86,7 +84,7 @@ class _Plan:
     node: fx.Node
     target: Any
     impls: dict[str, Implementation]
-    random: bool
+    random: bool  # replay the forward's RNG state when computed again
 
 
 @dataclass
@@ -99,13 +97,6 @@ class _StepRun:
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     flat_len: dict[str, int] = field(default_factory=dict)
     output_map: list[tuple[str, int]] = field(default_factory=list)
-
-
-def _is_random(node: fx.Node, target: Any) -> bool:
-    name = type(target).__name__.lower() if isinstance(target, torch.nn.Module) else str(
-        getattr(target, "__name__", target)
-    ).lower()
-    return any(k in name for k in RANDOM_KINDS)
 
 
 def _resolve_target(gm: fx.GraphModule, node: fx.Node) -> Any:
@@ -134,8 +125,12 @@ class ScheduleExecutor:
             if node.op in ("call_module", "call_function", "call_method"):
                 target = _resolve_target(gm, node)
                 impls = {i.name: i for i in implementations_for(node.op, target)}
-                self.plans[node.name] = _Plan(node, target, impls, _is_random(node, target))
+                self.plans[node.name] = _Plan(node, target, impls, False)
         self._check_schedule()
+        # every node the schedule runs again replays the RNG state it saw in the forward
+        # (dropout, dropout inside attention, user randomness): same masks, same gradients
+        for name in schedule.recomputed():
+            self.plans[name].random = True
         # nodes with a backward stage: their outputs need gradients
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
@@ -219,18 +214,14 @@ class ScheduleExecutor:
                 out = impl.run(plan.target, args, kwargs, recompute)
         flat, spec = tree_flatten(out)
         if grad:
-            positions = [
-                i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if positions:
                 box = _GradBox()
                 with torch.enable_grad():
                     root = _Root.apply(box, *[flat[i] for i in positions])
                 run.states[name] = _State(root, box, positions, leaves)
         run.flat_len[name] = len(flat)
-        run.env[name] = tree_unflatten(
-            [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
-        )
+        run.env[name] = tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
     def backward(self, run: _StepRun, name: str) -> None:
         state = run.states.pop(name, None)
@@ -279,9 +270,7 @@ class ScheduleExecutor:
     # -- whole step ----------------------------------------------------------------
     def run_forward(self, inputs: tuple) -> tuple[_StepRun, list[torch.Tensor], Any]:
         if len(inputs) != len(self.placeholders):
-            raise ScheduleRuntimeError(
-                f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}"
-            )
+            raise ScheduleRuntimeError(f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}")
         run = _StepRun(inputs={p.name: x for p, x in zip(self.placeholders, inputs)})
         self._run_stage(run, self.schedule.stages[0], recompute=False)
         outputs = fx.node.map_arg(self.output_node.args[0], lambda n: self._value_of(run, n))
@@ -324,7 +313,9 @@ class ScheduleExecutor:
 
 
 def _save_rng() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     return torch.get_rng_state(), cuda
 
 

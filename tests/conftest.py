@@ -1,0 +1,6 @@
+import os
+import tempfile
+
+# One profile cache per test session: measurements are shared between tests, never with the user's cache.
+os.environ.setdefault("MONET_OPT_CACHE", tempfile.mkdtemp(prefix="monet-opt-test-cache-"))
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
