@@ -328,6 +328,30 @@ def test_batchnorm_default_first_compute_bitwise_equals_module():
     assert torch.equal(run(impls("call_module", mine)["default"], mine, (x,)), ref(x))
 
 
+@pytest.mark.parametrize(
+    "module,shape",
+    [
+        (nn.InstanceNorm2d(4, track_running_stats=True, affine=True), (3, 4, 5, 5)),
+        (nn.LazyBatchNorm2d(), (3, 4, 5, 5)),
+        (type("MyBN", (nn.BatchNorm2d,), {})(4, momentum=None), (3, 4, 5, 5)),
+    ],
+    ids=["instancenorm", "lazy", "subclass"],
+)
+def test_norm_modules_recompute_leaves_stats(module, shape):
+    x = torch.randn(*shape)
+    impl = implementations_for("call_module", module)[0]
+    y = run(impl, module, (x,))
+    state = _bn_state(module)
+    assert state  # has running statistics
+    y2 = run(impl, module, (x,), recompute=True)
+    assert torch.equal(y, y2)
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    y3 = run(impl, module, (x,))  # a real second step updates them again
+    assert torch.equal(y3, y)
+    assert not all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
 def test_batchnorm_eval_default():
     ref, mine = _bn_pair()
     ref.running_mean.uniform_(-1, 1)
