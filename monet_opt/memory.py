@@ -172,6 +172,12 @@ def _track_cpu(m: PeakMemory) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile
 
     m.method = "cpu-profiler-alloc-events"
+    if _profiler_active():
+        raise RuntimeError(
+            "track_peak/measure_peak on CPU reads the PyTorch profiler's allocation events, "
+            "and a profiler session is already active (a nested measure_peak or a user "
+            "torch.profiler.profile); Kineto supports one session at a time. Measure outside it."
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = profile(
@@ -194,6 +200,13 @@ def _track_cpu(m: PeakMemory) -> Iterator[None]:
         m.peak_bytes = int(peak)
         m.retained_bytes = int(running)
         m.n_events = len(sizes)
+
+
+def _profiler_active() -> bool:
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except AttributeError:  # pragma: no cover - API drift
+        return False
 
 
 def _cpu_alloc_events(prof: Any) -> list[int]:

@@ -139,3 +139,13 @@ def test_cuda_known_allocations():  # pragma: no cover - no GPU on the CI box
     m = measure_peak(fn)
     assert m.method == "cuda-allocator-stats"
     assert _close(m.peak_bytes, 2 * MB4)
+
+
+def test_nested_cpu_measurement_is_refused():
+    with track_peak("cpu") as outer:
+        x = torch.empty(N4)
+        with pytest.raises(RuntimeError, match="already active"):
+            with track_peak("cpu"):
+                pass
+    assert _close(outer.peak_bytes, MB4)  # the outer session is intact
+    del x
