@@ -24,8 +24,10 @@ CPU
     what the call itself allocated at its worst moment.
 
     The profiler records every operator, so it slows the measured call down
-    (a few percent on convolution-heavy steps, more on tiny-op graphs); measure
-    time separately from memory.
+    (measured: ~20% on a ResNet-50 batch-8 64x64 training step, 0.18 s -> 0.22 s;
+    relatively less for big kernels, more for graphs of tiny ops): measure time
+    separately from memory. Only one profiler session can be active, so CPU
+    measurements cannot nest (RuntimeError).
 """
 
 from __future__ import annotations
