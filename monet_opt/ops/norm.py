@@ -123,19 +123,21 @@ _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _module_default(target, args, kwargs, recompute):
-    """The module itself. On recompute in training, its statistics buffers are snapshotted and
-    restored around the call: the very same code path runs (bitwise identical output, also for
-    SyncBatchNorm, InstanceNorm with running stats and custom _NormBase subclasses), and the
-    running statistics and counter end up untouched."""
+    """The module itself. On recompute in training, the module runs on copies of its statistics
+    buffers, which are swapped back afterwards: the very same code path runs (bitwise identical
+    output, also for SyncBatchNorm, InstanceNorm with running stats and custom _NormBase
+    subclasses), the real running statistics and counter stay untouched, and nothing the
+    autograd graph saved is modified in place afterwards (a copy_ back would be)."""
     if not (recompute and target.training and getattr(target, "track_running_stats", False)):
         return target(*args, **kwargs)
-    saved = [(b, b.clone()) for b in (getattr(target, n, None) for n in _STAT_BUFFERS) if b is not None]
+    originals = {n: getattr(target, n) for n in _STAT_BUFFERS if getattr(target, n, None) is not None}
+    for name, buf in originals.items():
+        setattr(target, name, buf.clone())
     try:
         return target(*args, **kwargs)
     finally:
-        with torch.no_grad():
-            for buf, copy in saved:
-                buf.copy_(copy)
+        for name, buf in originals.items():
+            setattr(target, name, buf)
 
 
 def _module_output_activated(target, args, kwargs, recompute):
