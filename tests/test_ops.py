@@ -728,3 +728,28 @@ def test_dropout_bitmask_gradcheck():
         return dropout_bitmask(t, 0.4)
 
     assert torch.autograd.gradcheck(f, (x,))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_attention_module(causal):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x0 = torch.randn(2, 24, 16)
+    kw = {"need_weights": False}
+    if causal:
+        kw.update(attn_mask=nn.Transformer.generate_square_subsequent_mask(24), is_causal=True)
+    found = impls("call_module", mha)
+    assert list(found) == ["default", "math", "query_chunked"]
+    params = list(mha.parameters())
+    outs, kept = {}, {}
+    for name, impl in found.items():
+        x = x0.clone().requires_grad_()
+        kept[name], y = saved_bytes(lambda impl=impl, x=x: run(impl, mha, (x, x, x), kw)[0], params)
+        g = torch.ones_like(y)
+        outs[name] = (y, grads_of(y, [x] + params, g))
+    for name in ("math", "query_chunked"):
+        torch.testing.assert_close(outs[name][0], outs["default"][0], rtol=RTOL, atol=1e-5)
+        assert_close_all(outs[name][1], outs["default"][1], rtol=1e-4, atol=1e-5)
+    assert F.scaled_dot_product_attention is SDPA  # swapped back
+    assert kept["query_chunked"] < kept["math"]
+    assert list(impls("call_module", nn.MultiheadAttention(16, 4, dropout=0.1))) == ["default"]

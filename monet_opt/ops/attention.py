@@ -13,10 +13,13 @@ Only "default" is offered (and used at run time) when dropout_p > 0 or the mask 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import Implementation
@@ -213,11 +216,79 @@ def _default_choice(p: dict) -> int | None:
         return None
 
 
+# ------------------------------------------------------------------ nn.MultiheadAttention (an fx leaf)
+#
+# In training, nn.MultiheadAttention called with need_weights=False computes its attention with
+# F.scaled_dot_product_attention (looked up in torch.nn.functional at call time). "math" runs the
+# module under the MATH backend; "query_chunked" swaps in the chunked attention for the duration
+# of the call. With need_weights=True the module uses its own explicit softmax path and these
+# behave like default.
+
+
+def _sdpa_chunked_or_plain(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    p = dict(
+        query=query,
+        key=key,
+        value=value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    if not _chunkable(p):
+        return _sdpa(p)
+    return query_chunked_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+
+
+@contextmanager
+def _sdpa_swapped(fn) -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _mha_math(target, args, kwargs, recompute):
+    with sdpa_kernel(SDPBackend.MATH):
+        return target(*args, **kwargs)
+
+
+def _mha_chunked(target, args, kwargs, recompute):
+    with _sdpa_swapped(_sdpa_chunked_or_plain):
+        return target(*args, **kwargs)
+
+
+def _mha_implementations(target: nn.MultiheadAttention) -> list[Implementation]:
+    default = Implementation("default", _run_default, "nn.MultiheadAttention as written")
+    if target.training and target.dropout > 0:
+        return [default]
+    return [
+        default,
+        Implementation(
+            "math", _mha_math, "MultiheadAttention with the MATH SDPA backend (keeps attention matrix)"
+        ),
+        Implementation(
+            "query_chunked",
+            _mha_chunked,
+            f"MultiheadAttention with query-chunked attention ({QUERY_CHUNKS} chunks, recomputed in backward)",
+        ),
+    ]
+
+
 def matches(op: str, target: Any) -> bool:
+    if op == "call_module":
+        return isinstance(target, nn.MultiheadAttention)
     return op == "call_function" and target is _SDPA
 
 
 def implementations(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
+    if op == "call_module":
+        return _mha_implementations(target)
     default = Implementation(
         "default", _run_default, "scaled_dot_product_attention with torch's backend choice"
     )
@@ -257,4 +328,5 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
 
 IMPLEMENTATION_NAMES = {
     "scaled_dot_product_attention": ["default", "math", "flash*", "efficient*", "cudnn*", "query_chunked"],
+    "nn.MultiheadAttention (need_weights=False, no dropout)": ["default", "math", "query_chunked"],
 }
