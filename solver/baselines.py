@@ -158,6 +158,47 @@ def chen_sqrt(problem: Problem, impls: dict[str, str] | None = None) -> Schedule
     return policy_schedule(problem, impl, F, K, strategy="chen_sqrt")
 
 
+def _even_cuts(an: Analysis, k: int) -> list[int]:
+    cand = _segments(an, 1) or [p for p, c in boundaries(an) if c]
+    if not cand or k <= 1:
+        return []
+    seg_len = an.n / k
+    chosen: set[int] = set()
+    for g in range(1, k):
+        target = g * seg_len
+        chosen.add(min(cand, key=lambda p: abs(p - target)))
+    return sorted(chosen)
+
+
+def segment_sweep(problem: Problem, budget: int | None = None, time_limit: float = 5.0) -> Schedule | None:
+    """Chen-style segmentations with 2..n segments and two implementation profiles.
+
+    With a budget: the fastest that fits (or None); without: the smallest peak.
+    """
+    t0 = time.perf_counter()
+    an = analysis(problem)
+    fast = an.fastest_impls()
+    low = [min(range(len(ims)), key=lambda m, i=i: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)]
+    ks = sorted(
+        {k for k in [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128] if k <= an.n} | {round(math.sqrt(an.n))}
+    )
+    best: Schedule | None = None
+    for impl in (fast, low):
+        for k in ks:
+            if time.perf_counter() - t0 > time_limit:
+                break
+            _F, K = _policy_from_cuts(an, _even_cuts(an, k), impl)
+            sch = policy_schedule(problem, impl, set(), K, strategy="segment_sweep", budget_bytes=budget)
+            if budget is None:
+                if best is None or sch.predicted_peak_bytes < best.predicted_peak_bytes:
+                    best = sch
+            elif sch.predicted_peak_bytes <= budget and (
+                best is None or sch.predicted_time_s < best.predicted_time_s
+            ):
+                best = sch
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 class _Evaluator:
     def __init__(self, problem: Problem) -> None:
@@ -338,6 +379,9 @@ def all_baselines(
     out["checkpoint_all_lowmem"] = policy_schedule(
         problem, low, set(), _policy_from_cuts(an, _segments(an, 1), low)[1], strategy="checkpoint_all_lowmem"
     )
+    sweep = segment_sweep(problem, budget)
+    if sweep is not None:
+        out["segment_sweep"] = sweep
     if budget is not None:
         g = greedy(problem, budget, time_limit=greedy_time)
         if g is not None:
@@ -374,6 +418,7 @@ __all__ = [
     "chen_sqrt",
     "greedy",
     "best_baseline",
+    "segment_sweep",
     "policy_schedule",
     "min_known_peak",
     "simulate",

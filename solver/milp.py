@@ -100,6 +100,7 @@ class Formulation:
     def __init__(self, an: Analysis, budget: int) -> None:
         self.an = an
         self.budget = int(budget)
+        self.highs_options: dict = {}
         t0 = time.perf_counter()
         self._build()
         self.build_time_s = time.perf_counter() - t0
@@ -115,6 +116,15 @@ class Formulation:
         nimp = [len(im) for im in an.impls]
         user = an.user_held
         user_bases = set(an.user_bases)
+        # consumers c of j with some non-consumer node between j and c: j stays live across other steps
+        nonadj: list[list[int]] = []
+        for j in range(n):
+            cons = set(an.consumers[j])
+            nonadj.append([c for c in an.consumers[j] if any(k not in cons for k in range(j + 1, c))])
+        has_view = [False] * n
+        for v in range(n):
+            if an.is_view[v]:
+                has_view[an.base[v]] = True
 
         # forward implementation and kept states
         self.k = [[md.var(cost=an.impls[i][m].fwd_time) for m in range(nimp[i])] for i in range(n)]
@@ -156,7 +166,8 @@ class Formulation:
                 ]
             self.R.append(Rs)
         self.W: list[int | None] = [None] * T  # recompute workspace per stage
-        self.aux: list[tuple[int, list[int], int]] = []  # (y, cols, how many of cols are t's state)
+        self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
+        self.aux_w: list[tuple[int, list[int], list[float]]] = []  # v >= sum coef * x[cols]
 
         # F <= k
         for i, cols in self.A[0].items():
@@ -209,7 +220,9 @@ class Formulation:
                     for m in range(nimp[i]):
                         cc = [ac2[m], ac[m]] + ([rc[m]] if rc else [])
                         md.row(cc, [1.0] + [-1.0] * (len(cc) - 1), -INF, 0.0)
-            # memory while recomputing: everything held at the start plus everything recomputed
+            # memory while recomputing (upper bound over every compute step of the stage):
+            # held at the start + states + recomputed values that persist (carried, or waiting
+            # for a non-adjacent consumer) + the largest (output + inputs + workspace) of a step
             md.tag = ("mem_rec", s, t)
             if Rs or s == 0:
                 cols, coefs = [], []
@@ -217,9 +230,28 @@ class Formulation:
                     if not an.is_view[i] and i not in user_bases and an.a[i]:
                         cols.append(Ss[i])
                         coefs.append(an.a[i])
-                        for c in Rs.get(i, []):
-                            cols.append(c)
-                            coefs.append(an.a[i])
+                S2n = self.S[s + 1] if s + 1 < T else {}
+                pvar: dict[int, int] = {}
+                for j, rj in Rs.items():
+                    if an.is_view[j] or j in user_bases or not an.a[j]:
+                        continue
+                    groups = []
+                    if j in S2n:
+                        groups.append(([S2n[j]] + rj, -1.0))
+                    for c in nonadj[j]:
+                        if c in Rs:
+                            groups.append((rj + Rs[c], -1.0))
+                    if has_view[j]:
+                        groups.append((rj, 0.0))
+                    if not groups:
+                        continue
+                    pv = md.var(integer=False)
+                    pvar[j] = pv
+                    for gc, const in groups:
+                        md.row([pv] + gc, [1.0] + [-1.0] * len(gc), const, INF)
+                    self.aux.append((pv, [(gc, const) for gc, const in groups]))
+                    cols.append(pv)
+                    coefs.append(an.a[j])
                 for i, ac in As.items():
                     for m, c in enumerate(ac):
                         st = an.impls[i][m].state_bytes
@@ -233,18 +265,32 @@ class Formulation:
                             if st:
                                 cols.append(c)
                                 coefs.append(st)
-                ws_rows = []
-                for i, rc in Rs.items():
-                    ws = [an.impls[i][m].fwd_workspace for m in range(nimp[i])]
-                    if max(ws) > 0:
-                        ws_rows.append((rc, ws))
-                if ws_rows:
-                    w = md.var(integer=False, ub=INF)
-                    self.W[s] = w
-                    cols.append(w)
+                if Rs:
+                    v = md.var(integer=False, ub=INF)
+                    self.W[s] = v
+                    cols.append(v)
                     coefs.append(1.0)
-                    for rc, ws in ws_rows:
-                        md.row([w] + rc, [1.0] + [-float(x) for x in ws], 0.0, INF)
+                    for i, rc in Rs.items():
+                        # step i: its output and workspace, plus inputs recomputed here that do
+                        # not persist (persistent ones are counted above); held inputs are in S
+                        step = [float(an.a[i] + an.impls[i][m].fwd_workspace) for m in range(nimp[i])]
+                        vc, vf = [v] + rc, [1.0] + [-x for x in step]
+                        view_bytes = 0
+                        for j in an.uinputs[i]:
+                            if an.is_view[j]:
+                                b = an.base[j]
+                                if b not in user_bases:
+                                    view_bytes += an.a[b]
+                            elif j in Rs and an.a[j] and j not in user_bases:
+                                vc += Rs[j]
+                                vf += [-float(an.a[j])] * len(Rs[j])
+                                if j in pvar:
+                                    vc.append(pvar[j])
+                                    vf.append(float(an.a[j]))
+                        if view_bytes:
+                            vf = vf[:1] + [x - view_bytes for x in vf[1 : 1 + len(rc)]] + vf[1 + len(rc) :]
+                        md.row(vc, vf, 0.0, INF)
+                        self.aux_w.append((v, vc[1:], [-x for x in vf[1:]]))
                 md.row(cols, coefs, -INF, budget - an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)
@@ -268,7 +314,7 @@ class Formulation:
                 md.row([y] + cs, [1.0] + [-1.0] * len(cs), 0.0, INF)
                 if b in S2:
                     md.row([y, S2[b]], [1.0, -1.0], 0.0, INF)
-                self.aux.append((y, cs + ([S2[b]] if b in S2 else []), len(cs)))
+                self.aux.append((y, [(cs, 0.0)] + ([([S2[b]], 0.0)] if b in S2 else [])))
                 cols.append(y)
                 coefs.append(an.a[b])
             for b, c in S2.items():
@@ -336,17 +382,15 @@ class Formulation:
                 for i, m in plan.stages[s - 1].carry_states.items():
                     if i in self.A[s]:
                         x[self.A[s][i][m]] = 1
-            w = 0.0
             for i, m, _g in plan.stages[s].recompute:
                 if i in self.R[s]:
                     x[self.R[s][i][m]] = 1
-                w = max(w, an.impls[i][m].fwd_workspace)
-            if self.W[s] is not None:
-                x[self.W[s]] = w
-        # auxiliary "kept by t's state or carried" columns: at their lower bounds
+        # auxiliary continuous columns: at their lower bounds
         x = np.maximum(x, lb)
-        for y, cols, n_state in self.aux:
-            x[y] = max(sum(x[c] for c in cols[:n_state]), max((x[c] for c in cols[n_state:]), default=0.0))
+        for y, groups in self.aux:
+            x[y] = max([0.0] + [sum(x[k] for k in cols) + const for cols, const in groups])
+        for v, cols, coefs in self.aux_w:
+            x[v] = max(x[v], sum(c * x[k] for c, k in zip(coefs, cols)))
         return np.maximum(x, lb)
 
     def vector_to_plan(self, x: np.ndarray) -> Plan:
@@ -420,6 +464,8 @@ class Formulation:
         h.setOptionValue("mip_rel_gap", float(mip_gap))
         h.setOptionValue("threads", int(threads))
         h.setOptionValue("random_seed", 0)
+        for key, val in (self.highs_options or {}).items():
+            h.setOptionValue(key, val)
         lp = highspy.HighsLp()
         lp.num_col_ = self.n_cols
         lp.num_row_ = self.n_rows
@@ -447,6 +493,18 @@ class Formulation:
             sol.value_valid = True
             h.setSolution(sol)
         t0 = time.perf_counter()
+        deadline = t0 + max(0.5, float(time_limit))
+
+        def _stop_at_deadline(event) -> None:
+            # HiGHS' own time limit is not checked inside long presolve / separation rounds
+            if time.perf_counter() > deadline:
+                event.interrupt()
+
+        for cb in (h.cbSimplexInterrupt, h.cbIpmInterrupt, h.cbMipInterrupt):
+            try:
+                cb.subscribe(_stop_at_deadline)
+            except Exception:  # pragma: no cover - older highspy without callbacks
+                pass
         h.run()
         solve_time = time.perf_counter() - t0
         ms = h.getModelStatus()
@@ -457,7 +515,7 @@ class Formulation:
             status = "optimal"
         elif ms == highspy.HighsModelStatus.kInfeasible:
             status = "infeasible"
-        elif "time" in status_name:
+        elif "time" in status_name or "interrupt" in status_name:
             status = "time_limit"
         else:
             status = status_name.replace(" ", "_")

@@ -162,13 +162,14 @@ def chain(n: int = 10, seed: int = 0, batch: int = 8, hw: int = 32, channels: in
 
 
 def resnet(
-    n: int = 100, seed: int = 0, batch: int = 8, hw: int = 64, bottleneck: bool | None = None
+    n: int = 100, seed: int = 0, batch: int = 8, hw: int = 224, bottleneck: bool | None = None
 ) -> Problem:
     """A ResNet-like residual DAG with about `n` nodes (50-350 are typical).
 
     Stem conv-bn-relu-maxpool, then residual blocks in four stages (spatial size
-    halves, channels double, first block of a stage has a conv-bn downsample
-    shortcut), then avgpool-flatten(view)-linear-loss.
+    halves, channels double; the first block of each stage has a conv-bn projection
+    shortcut, the first stage expands the stem's channels 4x so the blocks, not the
+    stem, hold most of the memory), then avgpool-flatten(view)-linear-loss.
     """
     if bottleneck is None:
         bottleneck = n >= 150
@@ -188,9 +189,11 @@ def resnet(
     blk = 0
     for st, nb in enumerate(stage_blocks):
         for j in range(nb):
-            down = j == 0 and st > 0
+            down = j == 0  # projection shortcut (stage 0: channel expansion only)
             cin = ch
-            if down:
+            if down and st == 0:
+                ch *= 4
+            elif down:
                 ch *= 2
                 s = max(1, s // 2)
             e_out = batch * ch * s * s
