@@ -592,6 +592,8 @@ def solve(
 
     t_start = time.perf_counter()
     deadline = t_start + float(time_limit)
+    if solver != "highs":
+        raise ValueError(f"solver {solver!r} is not supported (only 'highs' is implemented)")
     budget_bytes = resolve_budget(problem, budget)
     lb = min_feasible_lower_bound(problem)
     if budget_bytes < lb:
@@ -613,8 +615,6 @@ def solve(
         ),
     )
 
-    if solver not in ("highs", "gurobi"):
-        raise ValueError(f"unknown solver {solver!r} (use 'highs')")
     form = Formulation(an, budget_bytes)
     log(verbose, f"MILP: {form.n_cols} columns, {form.n_rows} rows, built in {form.build_time_s:.2f} s")
     warm = None

@@ -189,7 +189,7 @@ class _Replay:
         old = self.handle.get(node.name)
         self.handle[node.name] = key
         self._hold(key, ("h", node.name))
-        if old is not None:
+        if old is not None and old != key:  # recomputing a view of the same copy keeps its hold
             self._release(old, ("h", node.name))
         if grad:
             if node.name in self.states:

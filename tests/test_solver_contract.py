@@ -103,3 +103,41 @@ def test_simulator_rejects_invalid_schedules():
     # missing backward
     with pytest.raises(ScheduleInvalid, match="never run backward"):
         simulate(p, _with_stages(s, list(s.stages[:-1])))
+
+
+def test_recomputing_a_held_view_keeps_its_hold():
+    """Regression: recomputing a view whose handle is held must not drop the view's hold on the base."""
+    from solver import Impl, Node, SolverInfo
+
+    p = Problem(
+        nodes=(
+            Node("a", "conv", (), 100, (Impl("d", 1, 1),), grad_bytes=100, requires_backward=True),
+            Node(
+                "v", "view", ("a",), 0, (Impl("d", 1, 1),), alias_of=0, grad_bytes=100, requires_backward=True
+            ),
+            Node(
+                "b",
+                "loss",
+                ("v",),
+                4,
+                (Impl("d", 1, 1, keeps_inputs=(0,)),),
+                grad_bytes=4,
+                requires_backward=True,
+                is_output=True,
+            ),
+        ),
+        fingerprint="x",
+    )
+    fwd = (
+        Step("compute", "a", "d", True),
+        Step("compute", "v", "d", True),
+        Step("compute", "v", "d", True),
+        Step("free_value", "a"),
+        Step("compute", "b", "d", True),
+        Step("free_value", "v"),
+    )
+    stages = [Stage("forward", fwd)] + [Stage(f"backward:{x}", (Step("backward", x),)) for x in "bva"]
+    s = Schedule("x", None, 0, 0.0, SolverInfo("t"), "t", tuple(stages))
+    sim = simulate(p, s)
+    # a's storage (100) is held by v, then by b's state, until b's backward
+    assert [live for st, _k, live in sim.timeline if st == "forward"] == [100, 100, 100, 100, 104, 104]
