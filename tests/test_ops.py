@@ -753,3 +753,24 @@ def test_multihead_attention_module(causal):
     assert F.scaled_dot_product_attention is SDPA  # swapped back
     assert kept["query_chunked"] < kept["math"]
     assert list(impls("call_module", nn.MultiheadAttention(16, 4, dropout=0.1))) == ["default"]
+
+
+@pytest.mark.parametrize("name", ["default", "output_activated"])
+def test_batchnorm_recompute_then_backward(name):
+    """The recomputed node's backward must run (nothing it saved is modified in place afterwards)
+    and give the first computation's gradients."""
+    ref, mine = _bn_pair()
+    impl = impls("call_module", mine)[name]
+    x0 = torch.randn(4, 4, 5, 5)
+    x1 = x0.clone().requires_grad_()
+    y1 = run(impl, mine, (x1,))
+    g = torch.randn_like(y1)
+    g1 = grads_of(y1, [x1, mine.weight, mine.bias], g)
+    state = _bn_state(mine)
+    x2 = x0.clone().requires_grad_()
+    y2 = run(impl, mine, (x2,), recompute=True)
+    g2 = grads_of(y2, [x2, mine.weight, mine.bias], g)
+    assert torch.equal(y1, y2)
+    assert_close_all(g2, g1, rtol=0, atol=0)
+    for k, v in mine.state_dict().items():
+        assert torch.equal(v, state[k]), k
