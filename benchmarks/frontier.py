@@ -1,0 +1,413 @@
+"""Memory/time frontier, measured in one process: plain PyTorch, torch.utils.checkpoint
+(sqrt(n) segments), torch.compile with activation_memory_budget, and monet-opt.
+
+    python benchmarks/frontier.py --quick                      # resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5
+    python benchmarks/frontier.py --model resnet50 --batch 8 --image 224 \\
+        --budgets 1.0,0.75,0.5,0.33,0.25 --time-limit 60 --steps 3 --out benchmarks/results
+
+Every peak is `monet_opt.measure_peak` of one training step (forward, loss, backward;
+bytes above what was live before the step, parameter gradients included), as in
+`monet_opt.bench.measure_step`; step time is the median of `--steps` steps after a
+warm-up (torch.compile's compilation is excluded). monet-opt budgets are fractions of
+plain PyTorch's *measured* peak. Writes DIR/frontier_<model>.md (the table),
+DIR/frontier_<model>.csv and DIR/frontier_<model>.png (memory ratio vs overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import solver  # noqa: E402
+from monet_opt.bench import measure_step, training_step, zero_grad  # noqa: E402
+from monet_opt.profile import build_problem  # noqa: E402
+from monet_opt.runtime import MonetWrapper  # noqa: E402
+from monet_opt.zoo import ModelSpec  # noqa: E402
+
+MiB = 2**20
+
+
+@dataclass
+class Row:
+    method: str
+    budget: str
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    pred_peak_bytes: int | None = None
+    pred_time_s: float | None = None
+    status: str = ""
+    gap: float | None = None
+    solve_s: float | None = None
+    note: str = ""
+    mem_ratio: float | None = field(default=None)
+    overhead: float | None = field(default=None)
+    label: str = ""
+
+
+# -- torch.utils.checkpoint ------------------------------------------------------------
+def as_sequential(model: nn.Module) -> nn.Sequential | None:
+    """An nn.Sequential computing the same function as `model`, or None if we do not know one.
+
+    Handles torchvision ResNet, MobileNetV2, VGG and plain nn.Sequential models; nested
+    nn.Sequential children are flattened (their composition is sequential by definition).
+    """
+    import torchvision.models as tvm
+
+    def flat(mods):
+        for m in mods:
+            if type(m) is nn.Sequential:
+                yield from flat(m)
+            else:
+                yield m
+
+    if isinstance(model, tvm.ResNet):
+        mods = [model.conv1, model.bn1, model.relu, model.maxpool]
+        for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
+            mods += list(flat(layer))
+        mods += [model.avgpool, nn.Flatten(1), model.fc]
+    elif isinstance(model, tvm.MobileNetV2):
+        mods = [*flat(model.features), nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(1), *flat(model.classifier)]
+    elif isinstance(model, tvm.VGG):
+        mods = [*flat(model.features), model.avgpool, nn.Flatten(1), *flat(model.classifier)]
+    elif type(model) is nn.Sequential:
+        mods = list(flat(model))
+    else:
+        return None
+    return nn.Sequential(*mods)
+
+
+class SqrtCheckpoint(nn.Module):
+    """checkpoint_sequential over `seq` with about sqrt(len(seq)) segments (non-reentrant)."""
+
+    def __init__(self, seq: nn.Sequential, segments: int | None = None) -> None:
+        super().__init__()
+        self.seq = seq
+        self.segments = segments or max(1, round(math.sqrt(len(seq))))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        return checkpoint_sequential(self.seq, self.segments, x, use_reentrant=False)
+
+
+def check_same_function(model: nn.Module, other: nn.Module, inputs: tuple) -> None:
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a, b = model(*inputs), other(*inputs)
+    finally:
+        model.train(was)
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+        raise RuntimeError("the sequential version computes a different function than the model")
+
+
+# -- torch.compile -----------------------------------------------------------------------
+def measure_compiled(model: nn.Module, inputs: tuple, budget: float, steps: int) -> tuple[int, float, float]:
+    """(peak, median step s, compile+first-step s) of torch.compile with activation_memory_budget."""
+    import torch._dynamo
+    import torch._functorch.config as fconfig
+
+    torch._dynamo.reset()
+    with fconfig.patch(activation_memory_budget=float(budget)):
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        zero_grad(model)
+        training_step(compiled, inputs)  # compiles forward and backward
+        compile_s = time.perf_counter() - t0
+        peak, step_s = measure_step(compiled, inputs, steps)
+    torch._dynamo.reset()
+    return peak, step_s, compile_s
+
+
+# -- the run ------------------------------------------------------------------------------
+def fmt_mib(b) -> str:
+    return "—" if b is None else f"{b / MiB:.1f}"
+
+
+def fmt_ms(s) -> str:
+    return "—" if s is None else f"{s * 1e3:.0f}"
+
+
+def short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
+    return text[:160] + ("…" if len(text) > 160 else "")
+
+
+def run(args) -> list[Row]:
+    spec = ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+    torch.manual_seed(0)
+    model = spec.build().train()
+    inputs = spec.example_inputs()
+    rows: list[Row] = []
+    log = print if args.verbose else (lambda *a, **k: None)
+
+    def say(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    # plain PyTorch
+    say("plain PyTorch")
+    plain_peak, plain_t = measure_step(model, inputs, args.steps)
+    plain = Row("plain PyTorch", "—", plain_peak, plain_t)
+    rows.append(plain)
+
+    # torch.utils.checkpoint, sqrt(n) segments
+    say("checkpoint_sequential")
+    try:
+        seq = as_sequential(model)
+        if seq is None:
+            raise RuntimeError(f"no sequential form known for {type(model).__name__}")
+        check_same_function(model, seq, inputs)
+        ck = SqrtCheckpoint(seq)
+        peak, t = measure_step(ck, inputs, args.steps)
+        rows.append(
+            Row(
+                "checkpoint_sequential",
+                f"sqrt(n): {ck.segments} of {len(seq)}",
+                peak,
+                t,
+                note=f"{ck.segments} segments over {len(seq)} modules, use_reentrant=False",
+            )
+        )
+    except Exception as exc:  # report, do not stop the run
+        traceback.print_exc()
+        rows.append(Row("checkpoint_sequential", "sqrt(n)", status="failed", note=short_error(exc)))
+
+    # monet-opt
+    say("monet-opt: profiling")
+    t0 = time.perf_counter()
+    problem = build_problem(model, inputs, progress=args.verbose)
+    profile_s = time.perf_counter() - t0
+    nr = solver.no_recompute(problem)
+    plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
+    plain.note = f"monet-opt simulator: no-recompute prediction; {len(problem.nodes)} nodes profiled in {profile_s:.0f} s"
+    schedules = {}
+    for f in args.budgets:
+        budget_bytes = int(f * plain_peak)
+        label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
+        say(f"monet-opt: budget {label}")
+        t0 = time.perf_counter()
+        try:
+            sched = solver.solve(problem, budget_bytes, time_limit=args.time_limit, verbose=args.verbose)
+        except solver.NoScheduleFound as exc:
+            rows.append(
+                Row(
+                    "monet-opt",
+                    label,
+                    status=f"no schedule in {args.time_limit:g} s (smallest known {exc.minimum_bytes / MiB:.1f} MiB)",
+                    solve_s=time.perf_counter() - t0,
+                )
+            )
+            continue
+        except solver.InfeasibleBudget as exc:
+            rows.append(
+                Row(
+                    "monet-opt",
+                    label,
+                    status=f"infeasible (min {exc.minimum_bytes / MiB:.1f} MiB)",
+                    solve_s=time.perf_counter() - t0,
+                )
+            )
+            continue
+        solve_s = time.perf_counter() - t0
+        schedules[f] = sched
+        row = Row(
+            "monet-opt",
+            label,
+            pred_peak_bytes=sched.predicted_peak_bytes,
+            pred_time_s=sched.predicted_time_s,
+            status=sched.solver.status,
+            gap=sched.solver.gap,
+            solve_s=solve_s,
+        )
+        n_rec = len(sched.recomputed())
+        default = {n.name: n.impls[0].name for n in problem.nodes}
+        n_impl = sum(1 for k, v in sched.impl_choice().items() if v != default.get(k))
+        row.note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
+        try:
+            wrapped = MonetWrapper(model, sched, example_inputs=inputs)
+            row.peak_bytes, row.step_s = measure_step(wrapped, inputs, args.steps)
+            if row.peak_bytes > budget_bytes:
+                row.note += "; MEASURED OVER BUDGET"
+        except Exception as exc:
+            traceback.print_exc()
+            row.status += "; run failed"
+            row.note += "; " + short_error(exc)
+        rows.append(row)
+        log(f"  {row}")
+
+    # torch.compile with activation_memory_budget
+    if args.no_compile:
+        rows.append(Row("torch.compile", "all", status="skipped (--no-compile)"))
+    else:
+        for f in args.compile_budgets or args.budgets:
+            say(f"torch.compile activation_memory_budget={f:g}")
+            try:
+                peak, t, compile_s = measure_compiled(model, inputs, f, args.steps)
+                rows.append(
+                    Row(
+                        "torch.compile",
+                        f"amb={f:g}",
+                        peak,
+                        t,
+                        status="ok",
+                        note=f"inductor CPU; compile + first step {compile_s:.0f} s (excluded)",
+                    )
+                )
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append(Row("torch.compile", f"amb={f:g}", status="failed", note=short_error(exc)))
+            zero_grad(model)
+
+    # plain again, to show how much timing drifted during the run
+    say("plain PyTorch (re-measured)")
+    peak, t = measure_step(model, inputs, args.steps)
+    rows.append(Row("plain PyTorch (again, at end)", "—", peak, t, note="timing drift / noise check"))
+
+    for r in rows:
+        if r.peak_bytes is not None:
+            r.mem_ratio = r.peak_bytes / plain_peak
+        if r.step_s is not None:
+            r.overhead = r.step_s / plain_t - 1.0
+        r.label = r.budget.split(" ")[0].replace("amb=", "") if r.budget not in ("—",) else ""
+        if r.method.startswith("checkpoint"):
+            r.label = "sqrt(n)"
+    return rows
+
+
+def markdown(rows: list[Row], args, header: dict) -> str:
+    out = [
+        f"### {args.model}, batch {args.batch}, image {args.image}x{args.image} — {header['date']}",
+        "",
+        f"Command: `{header['command']}`",
+        "",
+        f"torch {torch.__version__}, {header['threads']} threads on {header['cpu']}; "
+        f"load average {header['load_start']} at start, {header['load_end']} at end. "
+        "monet-opt budgets are fractions of plain PyTorch's measured peak.",
+        "",
+        "| method | budget | measured peak MiB | peak/plain | step ms | overhead vs plain | "
+        "predicted peak MiB | predicted step ms | solver status / gap | solve s | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        ratio = "—" if r.mem_ratio is None else f"{r.mem_ratio:.2f}"
+        over = "—" if r.overhead is None else f"{r.overhead:+.0%}"
+        status = r.status or ""
+        if r.gap is not None:
+            status += f" / gap {r.gap:.1%}"
+        solve_s = "" if r.solve_s is None else f"{r.solve_s:.0f}"
+        out.append(
+            f"| {r.method} | {r.budget} | {fmt_mib(r.peak_bytes)} | {ratio} | {fmt_ms(r.step_s)} | {over} | "
+            f"{fmt_mib(r.pred_peak_bytes)} | {fmt_ms(r.pred_time_s)} | {status} | {solve_s} | {r.note} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    fields = list(asdict(rows[0]))
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+
+
+def plot(rows: list[Row], args, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from monet_opt import plots
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    pts = [r for r in rows if r.mem_ratio is not None and r.overhead is not None and "again" not in r.method]
+    plots.frontier(
+        pts,
+        ax=ax,
+        title=f"{args.model}, batch {args.batch}, {args.image}x{args.image}, CPU "
+        f"(labels: budget; timing noisy, shared CPU)",
+    )
+    again = next((r for r in rows if "again" in r.method and r.overhead is not None), None)
+    if again is not None:
+        ax.plot(
+            [again.mem_ratio], [100 * again.overhead], "o", mfc="none", color="black", label="plain, re-run"
+        )
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--seq", type=int, default=128, help="sequence length for token models (gpt)")
+    ap.add_argument(
+        "--budgets", default="1.0,0.75,0.5,0.33,0.25", help="fractions of the measured plain peak"
+    )
+    ap.add_argument(
+        "--compile-budgets", default=None, help="activation_memory_budget values (default: --budgets)"
+    )
+    ap.add_argument("--time-limit", type=float, default=60.0, help="solver time limit per budget (s)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per method (median)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.batch, args.image, args.budgets = "resnet18", 4, 64, "1.0,0.75,0.5"
+    args.budgets = [float(x) for x in str(args.budgets).split(",") if x.strip()]
+    if args.compile_budgets:
+        args.compile_budgets = [float(x) for x in args.compile_budgets.split(",") if x.strip()]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    header = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "command": "python benchmarks/frontier.py "
+        + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "threads": torch.get_num_threads(),
+        "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
+        "load_start": load,
+    }
+    t0 = time.perf_counter()
+    rows = run(args)
+    header["load_end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    md = markdown(rows, args, header) + f"\nTotal wall time {time.perf_counter() - t0:.0f} s.\n"
+    print(md)
+    stem = out / f"frontier_{args.model}"
+    stem.with_suffix(".md").write_text(md)
+    write_csv(rows, stem.with_suffix(".csv"))
+    plot(rows, args, stem.with_suffix(".png"))
+    print(f"wrote {stem}.md, {stem}.csv, {stem}.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
