@@ -194,6 +194,8 @@ def _track_cpu(m: PeakMemory) -> Iterator[None]:
     finally:
         prof.__exit__(None, None, None)
         sizes = _cpu_alloc_events(prof)
+        m.extra["sizes"] = sizes
+        sizes = [x for x in sizes if abs(x) != _MARK_BYTES]
         peak = running = 0
         for s in sizes:
             running += s
@@ -237,3 +239,41 @@ def _is_cpu(e: Any) -> bool:
         return str(e.device_type()).endswith("CPU")
     except Exception:  # pragma: no cover - defensive against API drift
         return False
+
+
+# -- segments of one CPU session ----------------------------------------------------------
+_MARK_BYTES = 393_213  # an allocation size nothing else asks for
+
+
+def mark() -> None:
+    """Split a running CPU `track_peak` session here (see `segment_peaks`); no-op on CUDA.
+
+    Leaves an allocate/free pair of a recognisable size in the event stream, so the
+    split point does not depend on clocks.
+    """
+    torch.empty(_MARK_BYTES, dtype=torch.uint8)
+
+
+def segment_peaks(m: PeakMemory) -> list[tuple[int, int]]:
+    """Per segment between `mark()` calls: (live bytes at its start, peak live bytes in it),
+    both relative to the start of the session. Frees inside the session of blocks
+    allocated inside it are seen, so memory released by a later segment counts there."""
+    sizes = m.extra.get("sizes")
+    if sizes is None:
+        raise ValueError("segment_peaks needs a CPU track_peak session")
+    out: list[tuple[int, int]] = []
+    running = 0
+    start, peak = 0, 0
+    k = 0
+    while k < len(sizes):
+        s = sizes[k]
+        if s == _MARK_BYTES and k + 1 < len(sizes) and sizes[k + 1] == -_MARK_BYTES:
+            out.append((start, peak))
+            start = peak = running
+            k += 2
+            continue
+        running += s
+        peak = max(peak, running)
+        k += 1
+    out.append((start, peak))
+    return out

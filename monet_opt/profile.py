@@ -31,14 +31,14 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from monet_opt.graph import OpGraph, trace
-from monet_opt.memory import measure_peak
+from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for
 from monet_opt.ops.base import Implementation
 from monet_opt.runtime.executor import _fetch_attr, _resolve_target
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 2: backward workspace measured net of memory the backward releases
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -189,19 +189,46 @@ def measure_node(
         del out
     fwd_time = statistics.median(times)
 
+    # memory: one forward (what it keeps, its workspace) then one backward (its workspace).
+    # On CPU both run in one allocation-tracking session split by a mark, so memory the
+    # backward releases (saved tensors freed as the engine goes) is seen; on CUDA the
+    # allocator's statistics see everything and each call is measured on its own.
+    probe = [t for t in tree_flatten(run(*make_inputs()[:2]))[0] if isinstance(t, torch.Tensor)]
+    grads = [torch.ones_like(t) for t in probe if t.requires_grad] if needs_grad else []
+    del probe
+    old_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     a, k, leaves = make_inputs()
-    saved: list[torch.Tensor] = []
+    saved: list[tuple[int, int]] = []  # (storage key, bytes): no reference, so the backward can free them
 
     def pack(t):
-        saved.append(t)
+        saved.append((_storage_key(t), _storage_bytes(t)))
         return t
 
-    def call():
+    def forward():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return run(a, k)
 
-    measured = measure_peak(call)
-    out = measured.result
+    def backward(out):
+        o = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        root = _Root.apply(grads, *o)
+        del o
+        torch.autograd.backward(root, torch.empty(0, device=root.device))
+
+    if device.type == "cpu":
+        with track_peak(device) as session:
+            out = forward()
+            mark()
+            if grads:
+                backward(out)
+        (_, fwd_peak), (after_fwd, bwd_peak) = segment_peaks(session)
+        bwd_peak -= after_fwd
+    else:
+        measured = measure_peak(forward)
+        out, fwd_peak = measured.result, measured.peak_bytes
+        bwd_peak = measure_peak(backward, out).peak_bytes if grads else 0
+
     flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     input_flat = [v for v in tree_flatten((a, k))[0]]
     input_ptrs: dict[int, list[int]] = {}
@@ -213,8 +240,7 @@ def measure_node(
     kept_input_flat: set[int] = set()
     keeps_output = False
     private: dict[int, int] = {}
-    for t in saved:
-        key = _storage_key(t)
+    for key, nbytes in saved:
         if key in param_ptrs:
             continue
         if key in input_ptrs:
@@ -222,48 +248,40 @@ def measure_node(
         elif key in out_ptrs:
             keeps_output = True
         else:
-            private[key] = _storage_bytes(t)
+            private[key] = nbytes
     state_bytes = sum(private.values()) if needs_grad else 0
     out_owned = sum(
         _storage_bytes(t)
         for t in {_storage_key(t): t for t in flat_out}.values()
         if _storage_key(t) not in input_ptrs
     )
-    fwd_workspace = max(0, measured.peak_bytes - out_owned - state_bytes)
-    saved.clear()
+    fwd_workspace = max(0, fwd_peak - out_owned - state_bytes)
+    bwd_workspace = 0
+    if grads:
+        in_grads = sum(_storage_bytes(x.grad) for x in leaves if x.grad is not None)
+        p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
+        bwd_workspace = max(0, bwd_peak - in_grads - p_grads)
+    del out
 
     bwd_time = 0.0
-    bwd_workspace = 0
-    if needs_grad:
-        grad_outs = [t for t in flat_out if t.requires_grad]
-        if grad_outs:
-            old_grads = [p.grad for p in params]
-            grads = [torch.ones_like(t) for t in grad_outs]
-            btimes = []
-            for i in range(repeats + 1):
-                a, k, leaves = make_inputs()
-                o = [t for t in tree_flatten(run(a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                root = _Root.apply(grads, *o)
-                del o
-                for p in params:
-                    p.grad = None
-                if i < repeats:
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    torch.autograd.backward(root, torch.empty(0, device=root.device))
-                    _sync(device)
-                    btimes.append(time.perf_counter() - t0)
-                else:
-                    m = measure_peak(
-                        lambda r=root: torch.autograd.backward(r, torch.empty(0, device=r.device))
-                    )
-                    in_grads = sum(_storage_bytes(x.grad) for x in leaves if x.grad is not None)
-                    p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
-                    bwd_workspace = max(0, m.peak_bytes - in_grads - p_grads)
-                del root
-            bwd_time = statistics.median(btimes)
-            for p, g in zip(params, old_grads):
-                p.grad = g
+    if grads:
+        btimes = []
+        for _ in range(repeats):
+            a, k, leaves = make_inputs()
+            o = [t for t in tree_flatten(run(a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            root = _Root.apply(grads, *o)
+            del o
+            for p in params:
+                p.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            torch.autograd.backward(root, torch.empty(0, device=root.device))
+            _sync(device)
+            btimes.append(time.perf_counter() - t0)
+            del root
+        bwd_time = statistics.median(btimes)
+    for p, g in zip(params, old_grads):
+        p.grad = g
     return {
         "fwd_time": fwd_time,
         "bwd_time": bwd_time,
@@ -335,6 +353,7 @@ def build_problem(
     started = time.perf_counter()
     hits = 0
     requires_grad: set[str] = set()
+    random_nodes: list[str] = []
     param_owner: dict[int, str] = {}
     param_bytes: dict[int, int] = {}
     rows: list[dict] = []
@@ -358,8 +377,11 @@ def build_problem(
             and ((src.op == "placeholder" and val.requires_grad) or src.name in requires_grad)
         ]
         params = [p for _, p in _node_params(gm, fx_node, target) if p.requires_grad]
+        rng_before = _rng_state()
         with torch.no_grad():
             out = impls[0].run(target, args, kwargs, True)
+        if not _same_rng(rng_before, _rng_state()):
+            random_nodes.append(fx_node.name)
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         is_tensor = bool(flat_out)
         float_out = any(t.is_floating_point() or t.is_complex() for t in flat_out)
@@ -462,7 +484,21 @@ def build_problem(
         "profile_cache_hits": hits,
     }
     info.update(meta or {})
-    return Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, meta=info)
+    # the runtime keeps the RNG state each random node saw, to replay it on recompute
+    info["random_nodes"] = random_nodes
+    rng_bytes = len(random_nodes) * sum(t.numel() * t.element_size() for t in _rng_state() if t is not None)
+    return Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, fixed_bytes=rng_bytes, meta=info)
+
+
+def _rng_state() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _same_rng(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _op_node(graph: OpGraph, name: str):

@@ -24,9 +24,10 @@ MODELS = {
     "googlenet": (models.googlenet, {"batch": 2, "size": 64}),
     "vgg11": (models.vgg11, {"batch": 2, "size": 32}),
     "vit_b_16": (models.vit, {"batch": 2, "size": 32}),
-    "gpt": (models.gpt, {"batch": 4, "seq": 64}),
+    "gpt": (models.gpt, {"batch": 8, "seq": 128, "n_embd": 128, "vocab_size": 512}),
 }
 TIME_LIMIT = 10.0
+LOSS_SCALARS = 256  # bytes
 
 
 @functools.cache
@@ -60,6 +61,14 @@ def grads_after_step(net, model, x, seed=1):
     return grads
 
 
+def assert_grads_close(got, expected, what):
+    """rtol 1e-5, and an atol of 1e-6 relative to the tensor's largest gradient: implementations
+    such as output-activated BatchNorm or chunked convolution sum in another order, which moves
+    tiny entries by a few float32 ulps of the large ones."""
+    atol = max(1e-6, 1e-6 * float(expected.abs().max()))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, msg=what)
+
+
 def check_schedule(name: str, schedule: solver.Schedule):
     model, x, problem = setup(name)
     plain = copy.deepcopy(model)
@@ -77,7 +86,10 @@ def check_schedule(name: str, schedule: solver.Schedule):
     peak, _ = measure_step(wrapped, (x,), steps=1)
     predicted = solver.simulate(problem, schedule).peak_bytes
     if schedule.budget_bytes is not None:
-        assert peak <= schedule.budget_bytes, f"{name}: measured {peak} over budget {schedule.budget_bytes}"
+        # the user's loss (outside the model, not part of the schedule) allocates a few scalars
+        assert peak <= schedule.budget_bytes + LOSS_SCALARS, (
+            f"{name}: measured {peak} over budget {schedule.budget_bytes}"
+        )
     assert abs(peak - predicted) <= 0.05 * predicted, f"{name}: measured {peak} vs predicted {predicted}"
     return peak, predicted
 

@@ -85,6 +85,7 @@ class _Plan:
     target: Any
     impls: dict[str, Implementation]
     random: bool  # replay the forward's RNG state when computed again
+    params: list[torch.Tensor]  # parameters the node uses that need gradients
 
 
 @dataclass
@@ -95,6 +96,7 @@ class _StepRun:
     rng: dict[str, tuple] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    param_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> gradient
     flat_len: dict[str, int] = field(default_factory=dict)
     output_map: list[tuple[str, int]] = field(default_factory=list)
 
@@ -103,6 +105,18 @@ def _resolve_target(gm: fx.GraphModule, node: fx.Node) -> Any:
     if node.op == "call_module":
         return gm.get_submodule(node.target)
     return node.target
+
+
+def _node_params(gm: fx.GraphModule, node: fx.Node, target: Any) -> list[torch.Tensor]:
+    params: dict[int, torch.Tensor] = {}
+    if isinstance(target, torch.nn.Module):
+        params.update((id(p), p) for p in target.parameters() if p.requires_grad)
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = _fetch_attr(gm, arg.target)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                params[id(value)] = value
+    return list(params.values())
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -125,10 +139,10 @@ class ScheduleExecutor:
             if node.op in ("call_module", "call_function", "call_method"):
                 target = _resolve_target(gm, node)
                 impls = {i.name: i for i in implementations_for(node.op, target)}
-                self.plans[node.name] = _Plan(node, target, impls, False)
+                self.plans[node.name] = _Plan(node, target, impls, False, _node_params(gm, node, target))
         self._check_schedule()
-        # every node the schedule runs again replays the RNG state it saw in the forward
-        # (dropout, dropout inside attention, user randomness): same masks, same gradients
+        # every node the schedule runs again and that drew random numbers in the forward
+        # (dropout, dropout inside attention, user randomness) replays them: same masks
         for name in schedule.recomputed():
             self.plans[name].random = True
         # nodes with a backward stage: their outputs need gradients
@@ -201,17 +215,21 @@ class ScheduleExecutor:
         with torch.enable_grad() if grad else torch.no_grad():
             args, kwargs, leaves = self._args(run, plan.node, grad)
         rng_ctx = None
+        before = None
         if plan.random:
             if recompute:
-                rng_ctx = _RestoreRng(run.rng[name])
+                if name in run.rng:
+                    rng_ctx = _RestoreRng(run.rng[name])
             else:
-                run.rng[name] = _save_rng()
+                before = _save_rng()
         with torch.enable_grad() if grad else torch.no_grad():
             if rng_ctx is not None:
                 with rng_ctx:
                     out = impl.run(plan.target, args, kwargs, recompute)
             else:
                 out = impl.run(plan.target, args, kwargs, recompute)
+        if before is not None and not _same_rng(before, _save_rng()):
+            run.rng[name] = before  # the node drew random numbers: replay them when recomputed
         flat, spec = tree_flatten(out)
         if grad:
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -234,7 +252,21 @@ class ScheduleExecutor:
             return
         state.box.grads = [grads[p] for p in state.grad_positions]
         del grads
-        torch.autograd.backward(state.root, torch.empty(0, device=state.root.device))
+        params = self.plans[name].params
+        # autograd.grad, not backward: parameter gradients come back to us and leave through
+        # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
+        # Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
+        got = torch.autograd.grad(
+            state.root,
+            [_ANCHOR, *params],
+            torch.empty(0, device=state.root.device),
+            allow_unused=True,
+        )
+        for param, g in zip(params, got[1:]):
+            if g is None:
+                continue
+            prev = run.param_grads.get(id(param))
+            run.param_grads[id(param)] = g if prev is None else prev.add_(g)
         for source, pos, box in state.leaves:
             g = box.grads
             if g is None:
@@ -261,11 +293,8 @@ class ScheduleExecutor:
             if t is not None and t.untyped_storage().data_ptr() == key
         )
         holders += sum(1 for t in run.input_grads.values() if t.untyped_storage().data_ptr() == key)
-        shared = holders > 1 or key in self._param_grad_ptrs() or g.untyped_storage().data_ptr() == key
+        shared = holders > 1 or g.untyped_storage().data_ptr() == key
         return prev + g if shared else prev.add_(g)
-
-    def _param_grad_ptrs(self) -> set[int]:
-        return {p.grad.untyped_storage().data_ptr() for p in self.gm.parameters() if p.grad is not None}
 
     # -- whole step ----------------------------------------------------------------
     def run_forward(self, inputs: tuple) -> tuple[_StepRun, list[torch.Tensor], Any]:
@@ -293,6 +322,7 @@ class ScheduleExecutor:
         for stage in self.schedule.stages[1:]:
             self._run_stage(run, stage, recompute=True)
         input_grads = run.input_grads
+        input_grads.update({("param", k): v for k, v in run.param_grads.items()})
         run.env.clear()
         run.states.clear()
         run.grads.clear()
@@ -317,6 +347,14 @@ def _save_rng() -> tuple:
         torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     )
     return torch.get_rng_state(), cuda
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    if not torch.equal(a[0], b[0]):
+        return False
+    if a[1] is None or b[1] is None:
+        return a[1] is None and b[1] is None
+    return all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
 class _RestoreRng:

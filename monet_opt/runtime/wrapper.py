@@ -23,7 +23,9 @@ class _SpecBox:
 
 class _ScheduledStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, executor: ScheduleExecutor, box: _SpecBox, autocast: tuple, _anchor, *inputs):
+    def forward(ctx, executor: ScheduleExecutor, box: _SpecBox, autocast: tuple, n_inputs: int, *tensors):
+        inputs = tensors[:n_inputs]
+        ctx.params = tensors[n_inputs:]
         with _autocast(autocast):
             run, flat, spec = executor.run_forward(inputs)
         ctx.executor = executor
@@ -38,7 +40,15 @@ class _ScheduledStep(torch.autograd.Function):
             input_grads = ctx.executor.run_backward(ctx.run, list(grads))
         ctx.run = None
         names = [p.name for p in ctx.executor.placeholders]
-        return (None, None, None, None, *[input_grads.get(n) for n in names])
+        params, ctx.params = ctx.params, None
+        return (
+            None,
+            None,
+            None,
+            None,
+            *[input_grads.get(n) for n in names],
+            *[input_grads.get(("param", id(p))) for p in params],
+        )
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -108,7 +118,6 @@ class MonetWrapper(nn.Module):
         object.__setattr__(self, "gm", graph.gm)  # shares the model's modules; not registered twice
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
-        self._anchor = torch.empty(0, requires_grad=True)
 
     def forward(self, *inputs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -121,5 +130,8 @@ class MonetWrapper(nn.Module):
             )
         device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
         box = _SpecBox()
-        flat = _ScheduledStep.apply(self.executor, box, _autocast_state(device_type), self._anchor, *inputs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = _ScheduledStep.apply(
+            self.executor, box, _autocast_state(device_type), len(inputs), *inputs, *params
+        )
         return tree_unflatten(list(flat), box.spec)

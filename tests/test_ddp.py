@@ -1,0 +1,66 @@
+"""MonetWrapper under DistributedDataParallel (gloo, 2 processes on CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from monet_opt.bench import loss_of, zero_grad
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from solver import baselines
+from tests import models
+
+
+def _worker(rank: int, world: int, init_file: str, schedule_path: str, state: dict, xs, out_path: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model, _ = models.resnet18(batch=2, size=32)
+        model.load_state_dict(state)
+        wrapped = MonetWrapper(model, schedule_path, example_inputs=(xs[rank],))
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
+        loss_of(ddp(xs[rank])).backward()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in model.named_parameters()}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradients_equal_single_process(tmp_path):
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=2, size=32)
+    xs = [x, torch.randn_like(x)]
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = baselines.checkpoint_all(problem)
+    assert schedule.recomputed()
+    schedule.to_json(tmp_path / "schedule.json")
+    state = copy.deepcopy(model.state_dict())
+
+    # single process: the average of each rank's gradients (one thread, as in the workers,
+    # so that kernels sum in the same order)
+    expected: dict[str, torch.Tensor] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for xr in xs:
+        m = copy.deepcopy(model)
+        m.load_state_dict(state)
+        loss_of(m(xr)).backward()
+        for n, p in m.named_parameters():
+            expected[n] = expected.get(n, 0) + p.grad / len(xs)
+        zero_grad(m)
+    torch.set_num_threads(threads)
+
+    out = tmp_path / "grads.pt"
+    mp.spawn(
+        _worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path / "schedule.json"), state, xs, str(out)),
+        nprocs=2,
+        join=True,
+    )
+    got = torch.load(out)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=f"grad of {n}")
