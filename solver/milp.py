@@ -442,6 +442,13 @@ class Formulation:
         badc = np.nonzero((x < xb - tol) | (x > ub + tol))[0]
         return list(bad) + [-1 - int(c) for c in badc]
 
+    def trivial_time_bound(self) -> float:
+        """Sum of the fastest forward of every node and the fastest backward of every backward node."""
+        an = self.an
+        fwd = sum(min(im.fwd_time for im in ims) for ims in an.impls)
+        bwd = sum(min(im.bwd_time for im in an.impls[t]) for t in an.bw)
+        return fwd + bwd
+
     def objective(self, x: np.ndarray) -> float:
         return float(np.asarray(self.md.cost) @ x)
 
@@ -456,6 +463,7 @@ class Formulation:
     ) -> MilpResult:
         import highspy
 
+        t_enter = time.perf_counter()
         md = self.md
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(verbose))
@@ -464,6 +472,9 @@ class Formulation:
         h.setOptionValue("mip_rel_gap", float(mip_gap))
         h.setOptionValue("threads", int(threads))
         h.setOptionValue("random_seed", 0)
+        if self.n_cols > 150_000:
+            # HiGHS' presolve cannot be interrupted and takes minutes at this size
+            h.setOptionValue("presolve", "off")
         for key, val in (self.highs_options or {}).items():
             h.setOptionValue(key, val)
         lp = highspy.HighsLp()
@@ -493,7 +504,8 @@ class Formulation:
             sol.value_valid = True
             h.setSolution(sol)
         t0 = time.perf_counter()
-        deadline = t0 + max(0.5, float(time_limit))
+        deadline = t_enter + max(0.5, float(time_limit))
+        h.setOptionValue("time_limit", max(0.5, deadline - t0))
 
         def _stop_at_deadline(event) -> None:
             # HiGHS' own time limit is not checked inside long presolve / separation rounds
@@ -525,9 +537,14 @@ class Formulation:
             plan = self.vector_to_plan(x)
             obj = float(info.objective_function_value)
             bound = float(info.mip_dual_bound)
-            gap = float(info.mip_gap)
-            if not np.isfinite(gap):
-                gap = None
+            # a bound HiGHS may not have reached yet: every node runs forward once and every
+            # backward once, each with its fastest implementation
+            trivial = self.trivial_time_bound()
+            if not np.isfinite(bound) or bound < trivial:
+                bound = trivial
+            gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
+            if status == "optimal":
+                gap = min(gap, float(info.mip_gap)) if np.isfinite(info.mip_gap) else gap
         elif status != "infeasible":
             status = "no_solution"
         return MilpResult(
