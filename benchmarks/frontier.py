@@ -28,18 +28,14 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import matplotlib
+import torch
+from torch import nn
 
-matplotlib.use("Agg")
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import solver  # noqa: E402
-from monet_opt.bench import measure_step, training_step, zero_grad  # noqa: E402
-from monet_opt.profile import build_problem  # noqa: E402
-from monet_opt.runtime import MonetWrapper  # noqa: E402
-from monet_opt.zoo import ModelSpec  # noqa: E402
+import solver
+from monet_opt.bench import measure_step, training_step, zero_grad
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from monet_opt.zoo import ModelSpec
 
 MiB = 2**20
 
@@ -330,6 +326,9 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 
 def plot(rows: list[Row], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # here, not at import: notebooks import this module for its helpers
     import matplotlib.pyplot as plt
 
     from monet_opt import plots
@@ -383,6 +382,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # silence the CPU profiler's per-call log lines
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
