@@ -12,10 +12,14 @@ from torch import nn
 from monet_opt.ops import describe_registry, implementations_for
 from monet_opt.ops.activation import hardtanh_bitmask, relu_bitmask
 from monet_opt.ops.attention import query_chunked_attention
+from monet_opt.ops.base import Implementation
 from monet_opt.ops.common import pack_bits, unpack_bits
-from monet_opt.ops.conv import conv2d_chunked
+from monet_opt.ops.conv import _make_chunked, conv2d_chunked
 from monet_opt.ops.elementwise import dropout_bitmask
 from monet_opt.ops.pool import max_pool2d_indices
+
+# offered by the registry on CUDA only; its correctness is tested here on CPU all the same
+CONV_CHUNKED = Implementation("chunked", _make_chunked(2))
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -527,8 +531,8 @@ def test_conv_implementations_match(cfg, batch):
     ref_g = grads_of(ref, [xr] + params, g)
     found = impls("call_module", conv)
     chunkable = cfg.get("padding_mode", "zeros") == "zeros" and not isinstance(cfg.get("padding"), str)
-    assert ("chunked" in found) == chunkable
-    for impl in found.values():
+    assert ("chunked" in found) == (chunkable and torch.cuda.is_available())
+    for impl in [*found.values(), *([CONV_CHUNKED] if chunkable else [])]:
         xi = x0.clone().requires_grad_()
         y = run(impl, conv, (xi,))
         torch.testing.assert_close(y, ref, rtol=RTOL, atol=ATOL)
@@ -536,13 +540,12 @@ def test_conv_implementations_match(cfg, batch):
 
 
 def test_conv_functional_and_channels_last():
-    found = impls("call_function", F.conv2d)
     w = torch.randn(6, 3, 3, 3, requires_grad=True)
     b = torch.randn(6, requires_grad=True)
     x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
     ref = F.conv2d(x, w, b, 1, 1)
     g = torch.randn_like(ref)
-    y = run(found["chunked"], F.conv2d, (x, w, b), {"padding": 1})
+    y = run(CONV_CHUNKED, F.conv2d, (x, w, b), {"padding": 1})
     torch.testing.assert_close(y, ref, rtol=RTOL, atol=ATOL)
     assert_close_all(grads_of(y, [x, w, b], g), grads_of(ref, [x, w, b], g), rtol=RTOL, atol=1e-5)
 
@@ -559,7 +562,7 @@ def test_conv_chunked_keeps_same_tensors():
     found = impls("call_module", conv)
     x = torch.randn(4, 8, 16, 16, requires_grad=True)
     d, _ = saved_bytes(lambda: run(found["default"], conv, (x,)), conv.parameters())
-    c, _ = saved_bytes(lambda: run(found["chunked"], conv, (x,)), conv.parameters())
+    c, _ = saved_bytes(lambda: run(CONV_CHUNKED, conv, (x,)), conv.parameters())
     assert d == c == x.numel() * 4
 
 

@@ -62,11 +62,12 @@ def grads_after_step(net, model, x, seed=1):
 
 
 def assert_grads_close(got, expected, what):
-    """rtol 1e-5, and an atol of 1e-6 relative to the tensor's largest gradient: implementations
-    such as output-activated BatchNorm or chunked convolution sum in another order, which moves
-    tiny entries by a few float32 ulps of the large ones."""
-    atol = max(1e-6, 1e-6 * float(expected.abs().max()))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, msg=what)
+    """rtol 1e-5, and an atol of 1e-5 relative to the tensor's largest gradient: output-activated
+    BatchNorm rebuilds its input from its output, a few float32 ulps away, and small-batch
+    BatchNorm downstream amplifies that (measured: up to 5e-6 of the largest gradient on
+    ResNet-50 at batch 2). Every other implementation is bitwise equal to plain PyTorch."""
+    atol = max(1e-6, 1e-5 * float(expected.abs().max()))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def check_schedule(name: str, schedule: solver.Schedule):
