@@ -1,0 +1,67 @@
+"""The command line as a user meets it: one clear line and exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from monet_opt.cli import main
+from solver.schedule import Schedule
+
+SMALL = ["resnet18", "--batch", "2", "--image", "32", "--time-limit", "5"]
+
+
+def test_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "monet_opt.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for command in ("solve", "sweep", "inspect", "bench", "profile", "trace"):
+        assert command in out.stdout
+
+
+def test_solve_inspect_bench(tmp_path, capsys):
+    path = tmp_path / "r18.json"
+    assert main(["solve", *SMALL, "--budget", "1.0", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and f"wrote {path}" in out
+    schedule = Schedule.from_json(path)
+    assert schedule.meta["model"] == "resnet18" and schedule.meta["batch"] == 2
+    assert schedule.predicted_peak_bytes <= schedule.budget_bytes
+
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "resnet18" in out and "predicted peak" in out
+
+    assert main(["bench", str(path), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "plain PyTorch" in out and "monet-opt (measured)" in out
+
+
+def test_sweep_writes_schedules_and_summary(tmp_path, capsys):
+    assert main(["sweep", *SMALL, "--budgets", "1.0,0.99", "-o", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.csv").read_text().splitlines()
+    assert summary[0].startswith("budget,") and len(summary) == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["solve", *SMALL, "--budget", "lots"], "bad budget"),
+        (["solve", "no_such_model", "--budget", "0.5"], "unknown model"),
+        (["solve", *SMALL, "--budget", "1KB"], "minimum"),
+        (["inspect", "/nonexistent/schedule.json"], "not found"),
+    ],
+)
+def test_errors_are_one_clear_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_corrupt_schedule_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["inspect", str(bad)]) == 2
+    assert "corrupt" in capsys.readouterr().err
