@@ -79,7 +79,7 @@ class Analysis:
     def _grad_constants(self) -> None:
         """Gradient bytes live during each backward stage, which no schedule changes."""
         nodes = self.problem.nodes
-        grads: dict[int, int] = {}
+        grads: dict = {}
         for i in self.outputs:
             if self.rb[i]:
                 grads[i] = nodes[i].grad_bytes
@@ -98,7 +98,10 @@ class Analysis:
             pgrad += nodes[t].param_grad_bytes
             for j in gin:
                 grads.setdefault(j, nodes[j].grad_bytes)
-            del grads[t]
+            if t in self.outputs:
+                grads[("held", t)] = grads.pop(t)  # the autograd engine holds it to the end
+            else:
+                del grads[t]
 
     @property
     def ancestors(self) -> list[frozenset[int]]:

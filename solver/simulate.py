@@ -23,7 +23,8 @@ batch are not counted. Live at any moment is the sum of:
 * gradients -- the gradient of a node's output (`grad_bytes`) is allocated by the
   first backward that produces it and freed by the node's own backward. Gradients
   of the model's outputs are allocated by the user's loss, at the start of the
-  first backward stage.
+  first backward stage, and stay to the end of the step (the autograd engine
+  holds them while the wrapper's backward runs).
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
   backward and stay to the end of the step (zero_grad(set_to_none=True)).
 * `fixed_bytes` of the problem, always.
@@ -218,7 +219,9 @@ class _Replay:
         if node.name not in self.states:
             raise ScheduleInvalid(f"{where}: no backward state (compute it with grad=True first)")
         if node.name not in self.grads:
-            raise ScheduleInvalid(f"{where}: its gradient does not exist yet (a consumer's backward must run first)")
+            raise ScheduleInvalid(
+                f"{where}: its gradient does not exist yet (a consumer's backward must run first)"
+            )
         impl = self.states[node.name][0]
         grad_inputs = [self.by_name[i] for i in node.inputs if self.by_name[i].requires_backward]
         new_grads = sum(n.grad_bytes for n in grad_inputs)
@@ -229,6 +232,8 @@ class _Replay:
                 self.grads[n.name] = n.grad_bytes
                 self.live += n.grad_bytes
         self._drop_state(node.name)
-        self.live -= self.grads.pop(node.name)
+        grad_bytes = self.grads.pop(node.name)
+        if not node.is_output:  # an output's gradient is held by the autograd engine to the end
+            self.live -= grad_bytes
         self.backed.add(node.name)
         return impl.bwd_time
