@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -52,6 +53,7 @@ class Row:
     gap: float | None = None
     solve_s: float | None = None
     note: str = ""
+    plain_step_s: float | None = None  # plain PyTorch's median over steps interleaved with this method's
     mem_ratio: float | None = field(default=None)
     overhead: float | None = field(default=None)
     label: str = ""
@@ -115,9 +117,42 @@ def check_same_function(model: nn.Module, other: nn.Module, inputs: tuple) -> No
         raise RuntimeError("the sequential version computes a different function than the model")
 
 
+# -- timing ------------------------------------------------------------------------------
+def paired_step_times(
+    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int
+) -> tuple[float, float]:
+    """(median step s of `model`, median step s of `plain_model`), timed alternately.
+
+    Steps of the two run in turn (plain, model, plain, model, ...), so a change in the
+    machine's load during the measurement hits both alike; both are assumed warm.
+    """
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(steps):
+        for k, m in enumerate((plain_model, model)):
+            zero_grad(m)
+            t0 = time.perf_counter()
+            training_step(m, inputs)
+            times[k].append(time.perf_counter() - t0)
+    zero_grad(plain_model)
+    zero_grad(model)
+    return statistics.median(times[1]), statistics.median(times[0])
+
+
+def measure_paired(
+    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int
+) -> tuple[int, float, float]:
+    """(peak bytes of one step of `model`, its median step s, plain's median step s, interleaved)."""
+    peak, _ = measure_step(model, inputs, 1)  # warm-up + measured peak
+    step_s, plain_s = paired_step_times(plain_model, model, inputs, steps)
+    return peak, step_s, plain_s
+
+
 # -- torch.compile -----------------------------------------------------------------------
-def measure_compiled(model: nn.Module, inputs: tuple, budget: float, steps: int) -> tuple[int, float, float]:
-    """(peak, median step s, compile+first-step s) of torch.compile with activation_memory_budget."""
+def measure_compiled(
+    model: nn.Module, inputs: tuple, budget: float, steps: int
+) -> tuple[int, float, float, float]:
+    """(peak, median step s, plain's median step s, compile+first-step s) of torch.compile with
+    activation_memory_budget; plain steps are interleaved with the compiled ones."""
     import torch._dynamo
     import torch._functorch.config as fconfig
 
@@ -128,9 +163,9 @@ def measure_compiled(model: nn.Module, inputs: tuple, budget: float, steps: int)
         zero_grad(model)
         training_step(compiled, inputs)  # compiles forward and backward
         compile_s = time.perf_counter() - t0
-        peak, step_s = measure_step(compiled, inputs, steps)
+        peak, step_s, plain_s = measure_paired(model, compiled, inputs, steps)
     torch._dynamo.reset()
-    return peak, step_s, compile_s
+    return peak, step_s, plain_s, compile_s
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -172,13 +207,14 @@ def run(args) -> list[Row]:
             raise RuntimeError(f"no sequential form known for {type(model).__name__}")
         check_same_function(model, seq, inputs)
         ck = SqrtCheckpoint(seq)
-        peak, t = measure_step(ck, inputs, args.steps)
+        peak, t, tp = measure_paired(model, ck, inputs, args.steps)
         rows.append(
             Row(
                 "checkpoint_sequential",
                 f"sqrt(n): {ck.segments} of {len(seq)}",
                 peak,
                 t,
+                plain_step_s=tp,
                 note=f"{ck.segments} segments over {len(seq)} modules, use_reentrant=False",
             )
         )
@@ -239,7 +275,7 @@ def run(args) -> list[Row]:
         row.note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
         try:
             wrapped = MonetWrapper(model, sched, example_inputs=inputs)
-            row.peak_bytes, row.step_s = measure_step(wrapped, inputs, args.steps)
+            row.peak_bytes, row.step_s, row.plain_step_s = measure_paired(model, wrapped, inputs, args.steps)
             if row.peak_bytes > budget_bytes:
                 row.note += "; MEASURED OVER BUDGET"
         except Exception as exc:
@@ -256,13 +292,14 @@ def run(args) -> list[Row]:
         for f in args.compile_budgets or args.budgets:
             say(f"torch.compile activation_memory_budget={f:g}")
             try:
-                peak, t, compile_s = measure_compiled(model, inputs, f, args.steps)
+                peak, t, tp, compile_s = measure_compiled(model, inputs, f, args.steps)
                 rows.append(
                     Row(
                         "torch.compile",
                         f"amb={f:g}",
                         peak,
                         t,
+                        plain_step_s=tp,
                         status="ok",
                         note=f"inductor CPU; compile + first step {compile_s:.0f} s (excluded)",
                     )
@@ -281,7 +318,7 @@ def run(args) -> list[Row]:
         if r.peak_bytes is not None:
             r.mem_ratio = r.peak_bytes / plain_peak
         if r.step_s is not None:
-            r.overhead = r.step_s / plain_t - 1.0
+            r.overhead = r.step_s / (r.plain_step_s or plain_t) - 1.0
         r.label = r.budget.split(" ")[0].replace("amb=", "") if r.budget not in ("—",) else ""
         if r.method.startswith("checkpoint"):
             r.label = "sqrt(n)"
@@ -298,9 +335,12 @@ def markdown(rows: list[Row], args, header: dict) -> str:
         f"load average {header['load_start']} at start, {header['load_end']} at end. "
         "monet-opt budgets are fractions of plain PyTorch's measured peak.",
         "",
-        "| method | budget | measured peak MiB | peak/plain | step ms | overhead vs plain | "
+        "Step times are medians of the steps; each method's steps alternate with plain PyTorch "
+        "steps and its overhead is relative to those interleaved plain steps (column 'plain ms').",
+        "",
+        "| method | budget | measured peak MiB | peak/plain | step ms | plain ms | overhead vs plain | "
         "predicted peak MiB | predicted step ms | solver status / gap | solve s | notes |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in rows:
         ratio = "—" if r.mem_ratio is None else f"{r.mem_ratio:.2f}"
@@ -310,7 +350,8 @@ def markdown(rows: list[Row], args, header: dict) -> str:
             status += f" / gap {r.gap:.1%}"
         solve_s = "" if r.solve_s is None else f"{r.solve_s:.0f}"
         out.append(
-            f"| {r.method} | {r.budget} | {fmt_mib(r.peak_bytes)} | {ratio} | {fmt_ms(r.step_s)} | {over} | "
+            f"| {r.method} | {r.budget} | {fmt_mib(r.peak_bytes)} | {ratio} | {fmt_ms(r.step_s)} | "
+            f"{fmt_ms(r.plain_step_s)} | {over} | "
             f"{fmt_mib(r.pred_peak_bytes)} | {fmt_ms(r.pred_time_s)} | {status} | {solve_s} | {r.note} |"
         )
     return "\n".join(out) + "\n"
