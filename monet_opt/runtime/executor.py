@@ -63,6 +63,10 @@ class _Leaf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+            # a slice of a larger gradient (cat, split) or an expanded one: keep a dense copy,
+            # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
+            grad = grad.clone()
         box = ctx.box
         box.grads = grad if box.grads is None else box.grads + grad
         return None, None, None
