@@ -212,7 +212,7 @@ def memory_timeline(
     """Simulated live bytes after each step of `schedule` (solver.simulate's timeline).
 
     A dashed vertical line marks the end of the forward stage, shaded spans the
-    recomputation inside backward stages, thin ticks at the top every stage boundary,
+    recomputation inside backward stages, ticks on the x axis every stage boundary,
     and a horizontal line the budget (default: the schedule's own). `compare`: another
     schedule (e.g. solver.no_recompute(problem)) drawn in grey for reference.
     """
@@ -249,8 +249,16 @@ def memory_timeline(
         ax.axvspan(a - 0.5, b + 0.5, color="tab:red", alpha=0.15, linewidth=0)
     if bounds:
         ax.axvline(bounds[0], color="black", linestyle="--", linewidth=0.9, label="end of forward")
-        top = max(ys + [0.0]) * 1.04
-        ax.plot(bounds[1:-1], [top] * len(bounds[1:-1]), "|", color="0.5", markersize=4)
+        ax.plot(
+            bounds[1:-1],
+            [0.0] * len(bounds[1:-1]),
+            "|",
+            color="0.5",
+            markersize=5,
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            label="stage boundary",
+        )
     handles, labels_ = ax.get_legend_handles_labels()
     if spans:
         from matplotlib.patches import Patch
