@@ -1,9 +1,9 @@
 """monet-opt: fit a PyTorch training step into a memory budget at the least slowdown.
 
-    import monet_opt
-    problem, schedule = monet_opt.solve_model(model, example_inputs, budget=0.5)
-    wrapped = monet_opt.MonetWrapper(model, schedule, input_shape=example_inputs.shape)
-    loss = criterion(wrapped(x), y); loss.backward()
+import monet_opt
+problem, schedule = monet_opt.solve_model(model, example_inputs, budget=0.5)
+wrapped = monet_opt.MonetWrapper(model, schedule, input_shape=example_inputs.shape)
+loss = criterion(wrapped(x), y); loss.backward()
 """
 
 from monet_opt.graph import OpGraph, OpNode, TraceError, trace

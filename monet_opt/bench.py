@@ -48,8 +48,13 @@ def zero_grad(model: nn.Module) -> None:
 
 
 def training_step(model: nn.Module, inputs: tuple) -> None:
-    """Forward, loss, backward; parameter gradients are expected to be None before it."""
-    loss_of(model(*inputs)).backward()
+    """Forward, loss, backward; parameter gradients are expected to be None before it.
+
+    The output is held through the backward, as in `out = model(x); loss_fn(out, y).backward()`
+    (the memory model counts outputs as held by the user until the step ends)."""
+    out = model(*inputs)
+    loss_of(out).backward()
+    del out
 
 
 def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, float]:

@@ -214,7 +214,48 @@ def _profiler_active() -> bool:
 
 
 def _cpu_alloc_events(prof: Any) -> list[int]:
-    """Signed sizes of the CPU allocator's events during `prof`, in time order."""
+    """Signed sizes of the CPU allocator's events during `prof`, in time order.
+
+    Frees are paired with allocations by address: a free counts only if its block was
+    allocated inside this session. (The allocator remembers the sizes of blocks allocated
+    during any earlier profiling session, so without pairing, freeing such an old block
+    inside this session would wrongly lower the running sum, measured at 2 MiB on a GPT step.)
+    """
+    try:
+        return _paired_alloc_events(prof)
+    except (AttributeError, RuntimeError, ImportError):
+        return _unpaired_alloc_events(prof)
+
+
+def _paired_alloc_events(prof: Any) -> list[int]:
+    from torch._C._profiler import _EventType
+
+    raw: list[tuple[int, int, int, int]] = []  # (time_ns, seq, ptr, signed bytes)
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    seq = 0
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag != _EventType.Allocation:
+            continue
+        f = e.extra_fields
+        if str(f.device) != "cpu":
+            continue
+        raw.append((int(e.start_time_ns), seq, int(f.ptr), int(f.alloc_size)))
+        seq += 1
+    raw.sort(key=lambda t: (t[0], t[1]))
+    live: dict[int, int] = {}
+    sizes: list[int] = []
+    for _, _, ptr, size in raw:
+        if size > 0:
+            live[ptr] = size
+            sizes.append(size)
+        elif ptr in live:
+            sizes.append(-live.pop(ptr))
+    return sizes
+
+
+def _unpaired_alloc_events(prof: Any) -> list[int]:
     events: list[tuple[int, int, int]] = []  # (time_ns, seq, signed bytes)
     try:
         kineto = prof.profiler.kineto_results

@@ -133,8 +133,11 @@ def test_dropout_replayed_on_recompute():
 
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_three_training_steps_match(optim):
+    # a recomputing schedule with default implementations: bitwise-equal gradients, so even
+    # Adam (which divides tiny gradients by their own scale) must end at the same parameters
     model, x, problem = setup("resnet18")
-    schedule = solver.solve(problem, budget_at(problem, 0.4), time_limit=TIME_LIMIT, verbose=False)
+    schedule = baselines.chen_sqrt(problem)
+    assert schedule.recomputed()
     a = copy.deepcopy(model)
     b = copy.deepcopy(model)
     wrapped = MonetWrapper(b, schedule, example_inputs=(x,))

@@ -31,5 +31,8 @@ def call_target(target: Any, args: tuple, kwargs: dict) -> Any:
     return target(*args, **kwargs)
 
 
-DEFAULT = Implementation("default", lambda target, args, kwargs, recompute: call_target(target, args, kwargs),
-                         "the op as the model wrote it")
+DEFAULT = Implementation(
+    "default",
+    lambda target, args, kwargs, recompute: call_target(target, args, kwargs),
+    "the op as the model wrote it",
+)
