@@ -1,0 +1,52 @@
+"""Shipped schedules: found by model/size/budget, still valid for today's models and tracer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import solver
+from monet_opt.runtime import MonetWrapper
+from monet_opt.zoo import ModelSpec, UnknownModel, build_model, load_schedule, shipped_schedules
+
+SHIPPED = shipped_schedules()
+
+
+def test_some_schedules_are_shipped():
+    assert SHIPPED, "schedules/ holds no schedule"
+    for path, meta in SHIPPED:
+        for key in ("model", "batch", "device", "torch", "date", "measured_peak_bytes", "plain_peak_bytes"):
+            assert key in meta, f"{path.name}: meta lacks {key}"
+        schedule = solver.Schedule.from_json(path)
+        assert schedule.predicted_peak_bytes <= schedule.budget_bytes
+        assert meta["measured_peak_bytes"] <= schedule.budget_bytes * 1.0001, (
+            f"{path.name}: measured over budget"
+        )
+
+
+@pytest.mark.parametrize("path, meta", SHIPPED, ids=[p.name for p, _ in SHIPPED])
+def test_shipped_schedule_fits_its_model(path, meta):
+    """The fingerprint still matches what today's tracer makes of the model (no training step)."""
+    spec = ModelSpec(
+        meta["model"], batch=meta["batch"], image=meta.get("image", 224), seq=meta.get("seq", 128)
+    )
+    model = spec.build()
+    MonetWrapper(model, path, example_inputs=spec.example_inputs())
+
+
+def test_load_schedule_nearest_budget_and_errors():
+    path, meta = SHIPPED[0]
+    got = load_schedule(
+        meta["model"], batch=meta["batch"], image=meta.get("image"), budget=meta["budget_fraction"]
+    )
+    assert got.meta["budget_fraction"] == meta["budget_fraction"]
+    with pytest.raises(FileNotFoundError, match="shipped"):
+        load_schedule("resnet18", batch=3, image=17, budget=0.5)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(UnknownModel, match="unknown model"):
+        build_model("resnet_does_not_exist")
+    with pytest.raises(UnknownModel, match="cannot import"):
+        build_model("no_such_package.models:make")
+    assert isinstance(build_model("resnet18"), torch.nn.Module)
