@@ -225,7 +225,7 @@ def run(args) -> list[Row]:
     # monet-opt
     say("monet-opt: profiling")
     t0 = time.perf_counter()
-    problem = build_problem(model, inputs, progress=args.verbose)
+    problem = build_problem(model, inputs, progress=args.verbose, use_cache=not args.fresh_profile)
     profile_s = time.perf_counter() - t0
     nr = solver.no_recompute(problem)
     plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
@@ -409,6 +409,12 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (median)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument(
+        "--fresh-profile",
+        action="store_true",
+        help="measure operator costs again instead of using the profile cache (whose times may "
+        "have been measured under a different machine load)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5")
     ap.add_argument("-v", "--verbose", action="store_true")
