@@ -1,0 +1,65 @@
+"""build_problem: measured costs for every implementation, what each keeps, cached, JSON round trip."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+
+import solver
+from monet_opt.profile import build_problem
+from solver.problem import Problem
+from tests import models
+
+
+@pytest.fixture(scope="module", params=["resnet18", "gpt"])
+def built(request, tmp_path_factory):
+    factory = {
+        "resnet18": lambda: models.resnet18(batch=4, size=64),
+        "gpt": lambda: models.gpt(batch=4, seq=64),
+    }
+    model, x = factory[request.param]()
+    return request.param, model, x, build_problem(model, (x,), progress=False, repeats=1)
+
+
+def test_every_tensor_node_has_a_timed_implementation(built):
+    name, _, _, problem = built
+    for node in problem.nodes:
+        assert node.impls and node.impls[0].name == "default"
+        if node.output_bytes > 0 and node.requires_backward:
+            assert any(i.fwd_time > 0 for i in node.impls), f"{name}: {node.name} has no forward time"
+            assert any(i.bwd_time > 0 for i in node.impls), f"{name}: {node.name} has no backward time"
+
+
+def test_relu_bitmask_keeps_one_thirty_second():
+    _, _, _, problem = _build("resnet18")
+    relus = [n for n in problem.nodes if n.op == "relu"]
+    assert relus
+    for node in relus:
+        default, bitmask = node.impl("default"), node.impl("bitmask")
+        kept_default = node.output_bytes if default.keeps_output else default.state_bytes
+        assert default.keeps_output and not bitmask.keeps_output and not bitmask.keeps_inputs
+        assert bitmask.state_bytes == pytest.approx(kept_default / 32, rel=0.01)
+
+
+def test_problem_json_round_trip(built, tmp_path):
+    _, _, _, problem = built
+    path = tmp_path / "problem.json"
+    problem.to_json(path)
+    again = Problem.from_json(path)
+    assert again == problem
+    assert solver.simulate(again, solver.baselines.no_recompute(again)).peak_bytes > 0
+
+
+def test_second_build_is_served_from_cache(built):
+    name, model, x, first = built
+    t0 = time.perf_counter()
+    second = build_problem(model, (x,), progress=False, repeats=1)
+    elapsed = time.perf_counter() - t0
+    assert (
+        second.meta["profile_cache_hits"]
+        >= sum(len(n.impls) for n in second.nodes if n.output_bytes > 0) * 0.9
+    )
+    assert [n.impls for n in second.nodes] == [n.impls for n in first.nodes]
+    assert elapsed < 30, f"{name}: cached build took {elapsed:.1f} s"
