@@ -13,14 +13,19 @@ from solver.problem import Problem
 from tests import models
 
 
-@pytest.fixture(scope="module", params=["resnet18", "gpt"])
-def built(request, tmp_path_factory):
+@functools.cache
+def _build(name):
     factory = {
         "resnet18": lambda: models.resnet18(batch=4, size=64),
         "gpt": lambda: models.gpt(batch=4, seq=64),
     }
-    model, x = factory[request.param]()
-    return request.param, model, x, build_problem(model, (x,), progress=False, repeats=1)
+    model, x = factory[name]()
+    return name, model, x, build_problem(model, (x,), progress=False, repeats=1)
+
+
+@pytest.fixture(params=["resnet18", "gpt"])
+def built(request):
+    return _build(request.param)
 
 
 def test_every_tensor_node_has_a_timed_implementation(built):
