@@ -76,9 +76,7 @@ class Node:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(
-            self, "impls", tuple(i if isinstance(i, Impl) else Impl(**i) for i in self.impls)
-        )
+        object.__setattr__(self, "impls", tuple(i if isinstance(i, Impl) else Impl(**i) for i in self.impls))
 
     def impl(self, name: str) -> Impl:
         for impl in self.impls:

@@ -57,9 +57,7 @@ class Stage:
     steps: tuple[Step, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "steps", tuple(s if isinstance(s, Step) else Step(**s) for s in self.steps)
-        )
+        object.__setattr__(self, "steps", tuple(s if isinstance(s, Step) else Step(**s) for s in self.steps))
 
 
 @dataclass(frozen=True)
@@ -128,9 +126,7 @@ class Schedule:
             "solver": asdict(self.solver),
             "strategy": self.strategy,
             "meta": self.meta,
-            "stages": [
-                {"name": st.name, "steps": [s.to_dict() for s in st.steps]} for st in self.stages
-            ],
+            "stages": [{"name": st.name, "steps": [s.to_dict() for s in st.steps]} for st in self.stages],
         }
 
     @classmethod
