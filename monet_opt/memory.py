@@ -43,8 +43,8 @@ import torch
 
 __all__ = ["PeakMemory", "measure_peak", "track_peak", "infer_device"]
 
-# Keep Kineto's own log lines quiet (read when Kineto initialises).
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+# Keep Kineto quiet (read when Kineto initialises; level 6 also drops its "USDT profiler_start" lines).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # 6 also silences the per-session USDT lines
 
 
 @dataclass
