@@ -34,7 +34,7 @@ from monet_opt.graph import OpGraph, trace
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for
 from monet_opt.ops.base import Implementation
-from monet_opt.runtime.executor import _fetch_attr, _resolve_target
+from monet_opt.runtime.executor import _fetch_attr, _node_params, _resolve_target
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
@@ -295,24 +295,6 @@ def measure_node(
 
 
 # -- the whole model -----------------------------------------------------------------
-def _node_params(gm: fx.GraphModule, node: fx.Node, target: Any) -> list[tuple[str, torch.Tensor]]:
-    params: list[tuple[str, torch.Tensor]] = []
-    if isinstance(target, torch.nn.Module):
-        params += [(f"{node.target}.{n}", p) for n, p in target.named_parameters()]
-    for arg in node.all_input_nodes:
-        if arg.op == "get_attr":
-            value = _fetch_attr(gm, arg.target)
-            if isinstance(value, torch.nn.Parameter):
-                params.append((arg.target, value))
-    return params
-
-
-def _flat_input_sources(node: fx.Node) -> list[fx.Node | None]:
-    """For each flat leaf of (args, kwargs), the fx node it came from (None for constants)."""
-    flat, _ = tree_flatten((node.args, node.kwargs))
-    return [x if isinstance(x, fx.Node) else None for x in flat]
-
-
 def build_problem(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -377,7 +359,7 @@ def build_problem(
             and (val.is_floating_point() or val.is_complex())
             and ((src.op == "placeholder" and val.requires_grad) or src.name in requires_grad)
         ]
-        params = [p for _, p in _node_params(gm, fx_node, target) if p.requires_grad]
+        params = _node_params(gm, fx_node, target)
         rng_before = _rng_state()
         with torch.no_grad():
             out = impls[0].run(target, args, kwargs, True)

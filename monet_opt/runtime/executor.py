@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from monet_opt.ops import implementations_for
 from monet_opt.ops.base import Implementation
@@ -379,7 +379,3 @@ class _RestoreRng:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-
-
-def detach_tree(value: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
