@@ -34,7 +34,15 @@ from monet_opt.graph import OpGraph, trace
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for
 from monet_opt.ops.base import Implementation
-from monet_opt.runtime.executor import _fetch_attr, _node_params, _resolve_target
+from monet_opt.runtime.executor import (
+    _fetch_attr,
+    _GradBox,
+    _node_params,
+    _resolve_target,
+    _Root,
+    _same_rng,
+    _save_rng,
+)
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
@@ -130,17 +138,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Root(torch.autograd.Function):
-    """As in the runtime: a stand-in output so backward can be fed a gradient."""
-
-    @staticmethod
-    def forward(ctx, grads: list, *outs):
-        ctx.grads = grads
-        return outs[0].new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _unused):
-        return (None, *ctx.grads)
+def _root(grads: list, outs: list) -> torch.Tensor:
+    """The runtime's stand-in output for a node's local graph, fed `grads` on backward."""
+    box = _GradBox()
+    box.grads = list(grads)
+    return _Root.apply(box, *outs)
 
 
 def measure_node(
@@ -213,7 +215,7 @@ def measure_node(
 
     def backward(out):
         o = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        root = _Root.apply(grads, *o)
+        root = _root(grads, o)
         del o
         torch.autograd.backward(root, torch.empty(0, device=root.device))
 
@@ -270,7 +272,7 @@ def measure_node(
         for _ in range(repeats):
             a, k, leaves = make_inputs()
             o = [t for t in tree_flatten(run(a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            root = _Root.apply(grads, *o)
+            root = _root(grads, o)
             del o
             for p in params:
                 p.grad = None
@@ -360,10 +362,10 @@ def build_problem(
             and ((src.op == "placeholder" and val.requires_grad) or src.name in requires_grad)
         ]
         params = _node_params(gm, fx_node, target)
-        rng_before = _rng_state()
+        rng_before = _save_rng()
         with torch.no_grad():
             out = impls[0].run(target, args, kwargs, True)
-        if not _same_rng(rng_before, _rng_state()):
+        if not _same_rng(rng_before, _save_rng()):
             random_nodes.append(fx_node.name)
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         is_tensor = bool(flat_out)
@@ -471,21 +473,13 @@ def build_problem(
     # recompute), and a small reserve for per-op scratch the per-node measurements miss
     # (measured: up to 23 KB over a whole ViT-B/16 step; a few bytes on ResNets and GPT)
     info["random_nodes"] = random_nodes
-    rng_bytes = len(random_nodes) * sum(t.numel() * t.element_size() for t in _rng_state() if t is not None)
+    cpu_state, cuda_states = _save_rng()
+    rng_bytes = len(random_nodes) * sum(
+        t.numel() * t.element_size() for t in [cpu_state, *(cuda_states or [])]
+    )
     info["fixed_bytes_detail"] = {"rng_states": rng_bytes, "runtime_reserve": RUNTIME_RESERVE_BYTES}
     fixed = rng_bytes + RUNTIME_RESERVE_BYTES
     return Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, fixed_bytes=fixed, meta=info)
-
-
-def _rng_state() -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states += list(torch.cuda.get_rng_state_all())
-    return states
-
-
-def _same_rng(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _op_node(graph: OpGraph, name: str):

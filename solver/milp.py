@@ -252,12 +252,7 @@ class Formulation:
                     self.aux.append((pv, [(gc, const) for gc, const in groups]))
                     cols.append(pv)
                     coefs.append(an.a[j])
-                for i, ac in As.items():
-                    for m, c in enumerate(ac):
-                        st = an.impls[i][m].state_bytes
-                        if st:
-                            cols.append(c)
-                            coefs.append(st)
+                _add_state_terms(an, As, cols, coefs)
                 for i, rc in Rs.items():
                     if an.rb[i]:
                         for m, c in enumerate(rc):
@@ -321,12 +316,7 @@ class Formulation:
                 if b not in keeps and not an.is_view[b] and b not in user_bases and an.a[b]:
                     cols.append(c)
                     coefs.append(an.a[b])
-            for i, ac in A2.items():
-                for m, c in enumerate(ac):
-                    st = an.impls[i][m].state_bytes
-                    if st:
-                        cols.append(c)
-                        coefs.append(st)
+            _add_state_terms(an, A2, cols, coefs)
             md.row(cols, coefs, -INF, budget - an.stage_const[s] - an.bwd_extra_base[s])
 
         # forward memory per step
@@ -550,6 +540,16 @@ class Formulation:
         return MilpResult(
             plan, status, obj, bound, gap, solve_time, self.build_time_s, self.n_cols, self.n_rows
         )
+
+
+def _add_state_terms(an, states: dict, cols: list, coefs: list) -> None:
+    """Memory-row terms for held backward states: each state variable times its private bytes."""
+    for i, ac in states.items():
+        for m, c in enumerate(ac):
+            st = an.impls[i][m].state_bytes
+            if st:
+                cols.append(c)
+                coefs.append(st)
 
 
 def log(verbose: bool, msg: str) -> None:

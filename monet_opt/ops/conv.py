@@ -28,6 +28,13 @@ def _chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def _conv_backward(g, x, weight, bias_sizes, stride, padding, dilation, groups, mask):
+    """aten's conv2d backward: (grad input, grad weight, grad bias) as `mask` asks."""
+    return torch.ops.aten.convolution_backward(
+        g, x, weight, bias_sizes, list(stride), list(padding), list(dilation), False, [0, 0], groups, mask
+    )
+
+
 class Conv2dChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, chunks):
@@ -61,18 +68,8 @@ class Conv2dChunked(torch.autograd.Function):
         gx = torch.empty_like(x) if need_x else None
         gw = gb = None
         for a, b in _chunk_bounds(x.size(0), chunks):
-            cgx, cgw, cgb = torch.ops.aten.convolution_backward(
-                g[a:b],
-                x[a:b],
-                weight,
-                ctx.bias_sizes,
-                list(stride),
-                list(padding),
-                list(dilation),
-                False,
-                [0, 0],
-                groups,
-                mask,
+            cgx, cgw, cgb = _conv_backward(
+                g[a:b], x[a:b], weight, ctx.bias_sizes, stride, padding, dilation, groups, mask
             )
             if need_x:
                 gx[a:b].copy_(cgx)
@@ -129,19 +126,7 @@ class _CudnnFlags(torch.autograd.Function):
             deterministic=deterministic,
             allow_tf32=torch.backends.cudnn.allow_tf32,
         ):
-            gx, gw, gb = torch.ops.aten.convolution_backward(
-                g,
-                x,
-                weight,
-                ctx.bias_sizes,
-                list(stride),
-                list(padding),
-                list(dilation),
-                False,
-                [0, 0],
-                groups,
-                mask,
-            )
+            gx, gw, gb = _conv_backward(g, x, weight, ctx.bias_sizes, stride, padding, dilation, groups, mask)
         return gx, gw, gb, None, None, None, None, None, None
 
 
