@@ -12,6 +12,12 @@ from pathlib import Path
 MiB = 2**20
 
 
+def _gap_scope(schedule) -> str:
+    """' within recompute window 12 nodes' when the proven gap is that of a restricted MILP."""
+    scope = schedule.meta.get("milp_gap_scope")
+    return f" within {scope}" if scope and "unbounded" not in scope else ""
+
+
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MiB:.1f} MiB"
 
@@ -80,7 +86,7 @@ def _summary(problem, schedule) -> str:
     gap = schedule.solver.gap
     lines = [
         f"strategy         {schedule.strategy} ({schedule.solver.name}, status {schedule.solver.status}, "
-        f"gap {'-' if gap is None else f'{gap:.2%}'}, {schedule.solver.solve_time_s:.1f} s)",
+        f"gap {'-' if gap is None else f'{gap:.2%}'}{_gap_scope(schedule)}, {schedule.solver.solve_time_s:.1f} s)",
         f"budget           {_mib(schedule.budget_bytes)}"
         + (f" ({schedule.budget_bytes / plain:.0%} of plain PyTorch's {_mib(plain)})" if plain else ""),
         f"predicted peak   {_mib(sim.peak_bytes)}",
@@ -179,7 +185,7 @@ def cmd_inspect(args) -> int:
     print(f"  made on      {m.get('device', '?')}, torch {m.get('torch', '?')}, {m.get('date', '?')}")
     print(
         f"  strategy     {s.strategy} ({s.solver.name}, {s.solver.status}, gap "
-        f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}, {s.solver.solve_time_s:.1f} s)"
+        f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}{_gap_scope(s)}, {s.solver.solve_time_s:.1f} s)"
     )
     print(
         f"  budget       {_mib(s.budget_bytes)}; predicted peak {_mib(s.predicted_peak_bytes)}, "

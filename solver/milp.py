@@ -27,6 +27,14 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
                               + workspace of i <= budget
   minimise                    forward + backward + recompute time of the chosen implementations
 
+Recompute windows: the full grid has O(n^2) columns (ResNet-50 at 224: 80k columns,
+133k rows; HiGHS does not finish even the LP relaxation in 120 s). A window w keeps
+columns only for nodes within w topological positions of each stage's node (see
+`Formulation`); w=6 is ~9k columns and solves to optimality in seconds. `solve`
+widens the window (6, 12, 24, unbounded), each MILP warm-started from the best plan
+so far, until time runs out; the reported gap is that of the widest MILP it ran
+(`meta["milp_gap_scope"]`), i.e. proven within that window, not over all schedules.
+
 Every term is an upper bound of what the simulator counts for the emitted schedule
 (which frees things as early as possible inside a stage), so a solution of the
 MILP is a schedule within budget; `solve` still replays it with the simulator.
@@ -36,6 +44,7 @@ passed to highspy directly (no per-scalar modelling-layer expressions).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -74,6 +83,7 @@ class _Model:
         self.r_hi: list[float] = []
         self.r_tag: list[tuple] = []  # what each row says (for debugging and tests)
         self.tag: tuple = ()
+        self._seen: dict = {}
 
     def var(self, cost: float = 0.0, lb: float = 0.0, ub: float = 1.0, integer: bool = True) -> int:
         self.cost.append(cost)
@@ -83,10 +93,25 @@ class _Model:
         return len(self.cost) - 1
 
     def row(self, cols: list[int], coefs: list[float], lo: float, hi: float) -> int:
+        """Add a row; repeated columns are merged, and a row equal to an earlier one (or empty) is
+        dropped (shared far-node columns make many carry rows read x <= x)."""
+        merged: dict[int, float] = {}
+        for c, v in zip(cols, coefs):
+            merged[c] = merged.get(c, 0.0) + v
+        items = tuple(sorted((c, v) for c, v in merged.items() if v != 0.0))
+        if not items:
+            if lo > 0.0 or hi < 0.0:
+                raise ValueError(f"empty row {self.tag} with bounds [{lo}, {hi}] cannot hold")
+            return -1
+        key = (items, lo, hi)
+        known = self._seen.get(key)
+        if known is not None:
+            return known
         r = len(self.r_lo)
-        self.r_idx.extend([r] * len(cols))
-        self.c_idx.extend(cols)
-        self.vals.extend(coefs)
+        self._seen[key] = r
+        self.r_idx.extend([r] * len(items))
+        self.c_idx.extend(c for c, _ in items)
+        self.vals.extend(v for _, v in items)
         self.r_lo.append(lo)
         self.r_hi.append(hi)
         self.r_tag.append(self.tag)
@@ -94,18 +119,85 @@ class _Model:
 
 
 INF = float("inf")
+# how many nodes back (topological index) a backward stage may recompute; None: unbounded
+AUTO_WINDOWS = (6, 12, 24, None)
 
 
 class Formulation:
-    def __init__(self, an: Analysis, budget: int) -> None:
+    """The MILP for one budget.
+
+    `window` bounds how far back a stage may recompute: stage s (backward of t) has
+    recompute columns only for nodes i >= t - window, and its own S/A columns only for
+    those. A node further back ("far") is, at that stage, exactly as the forward left
+    it: its handle column is S[0,i] while some consumer c <= t or its own state may
+    still need it (a constant 0 once nothing can), its state columns are F[i]. The
+    window only removes choices, so every solution is still a valid schedule (and
+    `solve` replays it); nodes where `warm_plan` differs from that rule get their own
+    columns from the stage where it differs, so the warm start stays feasible.
+    `window=None` is the full formulation.
+    """
+
+    def __init__(
+        self, an: Analysis, budget: int, window: int | None = None, warm_plan: Plan | None = None
+    ) -> None:
         self.an = an
         self.budget = int(budget)
+        self.window = window
         self.highs_options: dict = {}
+        self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
         self._build()
         self.build_time_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------
+    def _useful_until(self) -> list[int]:
+        """useful_until[i]: the stage node t from which down i's storage may still be needed
+        (some consumer c <= t, i's own state keeping its output, or a view of it)."""
+        an = self.an
+        big = an.n + 1
+        until = [big] * an.n
+        for i in range(an.n):
+            if an.consumers[i]:
+                until[i] = min(an.consumers[i])
+            if any(im.keeps_output for im in an.impls[i]):
+                until[i] = min(until[i], i)
+        for v in range(an.n - 1, -1, -1):  # a view keeps its base needed
+            b = an.base[v]
+            if b != v:
+                until[b] = min(until[b], until[v])
+        return until
+
+    def far_value(self, i: int, t: int, s0: set[int]) -> bool:
+        """The handle of far node i at the stage of t, given the forward keeps s0."""
+        return i in s0 and t >= self.useful[i]
+
+    def _var_from(self, window: int | None, plan: Plan | None) -> list[int]:
+        """var_from[i]: the first backward stage at which node i has its own S/A/R columns."""
+        an = self.an
+        self.useful = self._useful_until()
+        if window is None:
+            return [0] * an.n
+        var_from = [an.T] * an.n
+        for s, t in enumerate(an.bw):
+            for i in range(max(0, t - window), t + 1):
+                var_from[i] = min(var_from[i], s)
+        if plan is not None:
+            fimpl = {i: plan.impl[i] for i in plan.F}
+            for s, t in enumerate(an.bw):
+                for i, _m, _g in plan.stages[s].recompute:
+                    var_from[i] = min(var_from[i], s)
+                if s == 0:
+                    continue
+                prev = plan.stages[s - 1]
+                for i in range(t + 1):
+                    if var_from[i] <= s or i in an.user_held:
+                        continue
+                    if (i in prev.carry_vals) != self.far_value(i, t, plan.S0):
+                        var_from[i] = s
+                    elif an.rb[i] and prev.carry_states.get(i) != fimpl.get(i):
+                        var_from[i] = s
+        return var_from
+
     def _build(self) -> None:  # noqa: C901 - one formulation, kept in one place
         an = self.an
         md = _Model()
@@ -138,6 +230,8 @@ class Formulation:
         self.A: list[dict[int, list[int]]] = []
         self.R: list[dict[int, list[int]]] = []
         anc = an.ancestors
+        zero = md.var(lb=0.0, ub=0.0)  # the handle of a far node nothing needs any more
+        var_from = self.var_from
         for s, t in enumerate(an.bw):
             Ss: dict[int, int] = {}
             rng = range(n) if s == 0 else range(t + 1)
@@ -146,18 +240,23 @@ class Formulation:
                     Ss[i] = md.var(lb=1.0, ub=1.0)
                 elif i > t:
                     Ss[i] = md.var(lb=0.0, ub=0.0)
+                elif s > 0 and s < var_from[i]:
+                    Ss[i] = self.S[0][i] if t >= self.useful[i] else zero
                 else:
                     Ss[i] = md.var()
             self.S.append(Ss)
             As: dict[int, list[int]] = {}
             for i in range(t + 1):
                 if an.rb[i]:
+                    if s > 0 and s < var_from[i]:
+                        As[i] = self.A[0][i]
+                        continue
                     cost_b = an.impls[i]
                     As[i] = [md.var(cost=cost_b[m].bwd_time if i == t else 0.0) for m in range(nimp[i])]
             self.A.append(As)
             Rs: dict[int, list[int]] = {}
             for i in sorted(anc[t] | {t}):
-                if i in user:
+                if i in user or s < var_from[i]:
                     continue
                 ims = an.impls[i]
                 Rs[i] = [
@@ -433,8 +532,11 @@ class Formulation:
         return list(bad) + [-1 - int(c) for c in badc]
 
     def trivial_time_bound(self) -> float:
+        return self.trivial_bound(self.an)
+
+    @staticmethod
+    def trivial_bound(an: Analysis) -> float:
         """Sum of the fastest forward of every node and the fastest backward of every backward node."""
-        an = self.an
         fwd = sum(min(im.fwd_time for im in ims) for ims in an.impls)
         bwd = sum(min(im.bwd_time for im in an.impls[t]) for t in an.bw)
         return fwd + bwd
@@ -592,6 +694,7 @@ def solve(
     solver: str = "highs",
     threads: int = 2,
     warm_start: bool = True,
+    window: int | str | None = "auto",
 ):
     """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
 
@@ -600,6 +703,9 @@ def solve(
     finds a fitting schedule. Never returns a schedule over budget: the result is
     replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
     fitting baseline is returned and `solver.status` says "fallback:<baseline>".
+
+    `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
+    None (the unbounded formulation only); see the module docstring.
     """
     from solver.baselines import analysis, best_baseline, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
@@ -632,31 +738,15 @@ def solve(
         ),
     )
 
-    form = Formulation(an, budget_bytes)
-    log(verbose, f"MILP: {form.n_cols} columns, {form.n_rows} rows, built in {form.build_time_s:.2f} s")
-    warm = None
+    warm_plan = None
     if warm_start and base is not None:
         try:
-            plan = plan_of(problem, base)
-            if plan is not None:
-                warm = form.plan_to_vector(plan)
-                bad = form.violations(warm)
-                if bad:
-                    log(verbose, f"warm start from {base.strategy} violates {len(bad)} rows; not used")
-                    warm = None
+            warm_plan = plan_of(problem, base)
         except (PlanError, KeyError) as exc:  # pragma: no cover - defensive
             log(verbose, f"warm start unavailable: {exc}")
-            warm = None
-    remaining = deadline - time.perf_counter()
-    res = form.solve_highs(max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose)
-    elapsed = time.perf_counter() - t_start
-    log(
-        verbose,
-        f"HiGHS: {res.status}, objective {res.objective}, bound {res.dual_bound}, gap {res.gap}, "
-        f"{res.solve_time_s:.1f} s",
-    )
 
-    def fallback(reason: str):
+    def fallback(reason: str, gap=None):
+        elapsed = time.perf_counter() - t_start
         if base is None:
             known, name = min_known_peak(problem)
             raise NoScheduleFound(
@@ -666,44 +756,112 @@ def solve(
                 known,
             )
         info = SolverInfo(
-            name=base.solver.name, status=f"fallback:{base.strategy}", gap=None, solve_time_s=elapsed
+            name=base.solver.name, status=f"fallback:{base.strategy}", gap=gap, solve_time_s=elapsed
         )
         return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
 
-    if res.plan is None:
-        if res.status == "infeasible" and base is None:
+    # widen the recompute window while time remains: each MILP starts from the best plan so far
+    best = None  # (schedule, objective, plan)
+    attempts: list[dict] = []
+    last = None  # (window, MilpResult) of the widest MILP run
+    for w in window_ladder(window, an.n):
+        remaining = deadline - time.perf_counter()
+        if remaining < 1.0 and last is not None:
+            break
+        form = Formulation(an, budget_bytes, window=w, warm_plan=warm_plan)
+        warm = None
+        if warm_plan is not None:
+            warm = form.plan_to_vector(warm_plan)
+            bad = form.violations(warm)
+            if bad:
+                log(verbose, f"warm start violates {len(bad)} rows of the window-{w} MILP; not used")
+                warm = None
+        log(
+            verbose,
+            f"MILP, recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
+            f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
+        )
+        res = form.solve_highs(
+            max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
+        )
+        last = (w, res)
+        attempts.append(
+            {
+                "window": w,
+                "status": res.status,
+                "objective": res.objective,
+                "bound": res.dual_bound,
+                "seconds": round(res.solve_time_s, 2),
+                "cols": res.n_cols,
+                "rows": res.n_rows,
+            }
+        )
+        log(
+            verbose,
+            f"HiGHS (window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
+            f"gap {res.gap}, {res.solve_time_s:.1f} s",
+        )
+        if res.plan is not None:
+            try:
+                sched = to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
+                sim = simulate(problem, sched)
+            except (PlanError, ScheduleInvalid) as exc:
+                log(verbose, f"MILP solution did not replay: {exc}")
+                sim = None
+            if sim is not None and sim.peak_bytes > budget_bytes:
+                log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
+                sim = None
+            if sim is not None and (
+                best is None or sched.predicted_time_s < best[0].predicted_time_s - 1e-12
+            ):
+                best = (sched, res.objective, res.plan)
+                warm_plan = res.plan
+        if res.status not in ("optimal", "infeasible"):
+            break  # out of time (or HiGHS gave up): a wider window would not get further
+
+    elapsed = time.perf_counter() - t_start
+    w_last, res_last = last
+    scope = "unbounded" if w_last is None else f"{w_last} nodes"
+    if best is None:
+        if res_last.status == "infeasible" and base is None:
             known, name = min_known_peak(problem)
+            proven = "" if w_last is None else f" with a recompute window of {scope}"
             raise InfeasibleBudget(
-                f"no schedule fits budget {budget_bytes} bytes in this formulation (MILP infeasible); "
+                f"no schedule fits budget {budget_bytes} bytes in this formulation{proven} (MILP infeasible); "
                 f"lower bound {lb} bytes, smallest peak found {known} bytes ({name})",
                 known,
             )
-        return fallback(f"MILP {res.status}")
-    info = SolverInfo(name="highs-milp", status=res.status, gap=res.gap, solve_time_s=elapsed)
-    try:
-        sched = to_schedule(
-            an,
-            res.plan,
-            "milp",
-            info,
-            budget_bytes,
-            meta={
-                "milp_objective": res.objective,
-                "milp_dual_bound": res.dual_bound,
-                "milp_cols": res.n_cols,
-                "milp_rows": res.n_rows,
-            },
-        )
-        sim = simulate(problem, sched)
-    except (PlanError, ScheduleInvalid) as exc:
-        log(verbose, f"MILP solution did not replay: {exc}")
-        return fallback("MILP schedule invalid")
-    if sim.peak_bytes > budget_bytes:
-        log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
-        return fallback("MILP schedule over budget")
+        return fallback(f"MILP {res_last.status}")
+    sched, obj, _plan = best
+    # the best plan was the last MILP's warm start, so that MILP's dual bound bounds it
+    bound = res_last.dual_bound
+    if bound is None or res_last.plan is None:
+        bound = Formulation.trivial_bound(an)
+    gap = max(0.0, (obj - bound) / obj) if obj and obj > 0 else 0.0
+    status = res_last.status if res_last.plan is not None else "time_limit"
+    info = SolverInfo(name="highs-milp", status=status, gap=gap, solve_time_s=elapsed)
+    meta = {
+        "milp_objective": obj,
+        "milp_dual_bound": bound,
+        "milp_window": w_last,
+        "milp_gap_scope": f"recompute window {scope}",
+        "milp_attempts": attempts,
+    }
+    sched = dataclasses.replace(sched, solver=info, meta={**sched.meta, **meta})
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
-        info = SolverInfo(
-            name="highs-milp", status=f"fallback:{base.strategy}", gap=res.gap, solve_time_s=elapsed
-        )
-        return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
+        return fallback("a baseline is faster", gap=gap)
     return sched
+
+
+def window_ladder(window, n: int) -> list[int | None]:
+    """Recompute windows to try in turn: 'auto' widens 6 -> 12 -> 24 -> unbounded; an int or
+    None is that window alone. Windows covering the whole graph are the unbounded formulation."""
+    ladder = list(AUTO_WINDOWS) if window == "auto" else [window]
+    out: list[int | None] = []
+    for w in ladder:
+        w = None if w is None or w >= n else int(w)
+        if w not in out:
+            out.append(w)
+        if w is None:
+            break
+    return out

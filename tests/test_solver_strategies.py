@@ -9,7 +9,7 @@ import pytest
 
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, simulate, solve
 from solver import baselines as B
-from solver.milp import Formulation
+from solver.milp import Formulation, window_ladder
 from solver.synthetic import problem_zoo
 
 PROBLEMS = problem_zoo()
@@ -59,9 +59,11 @@ def test_baselines_valid_and_above_lower_bound(name):
         assert lb <= sim.peak_bytes
 
 
+@pytest.mark.parametrize("window", [None, 1, 3])
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
-def test_milp_rows_bound_the_simulator(name):
-    """A plan that the MILP accepts at budget b has simulated peak <= b, with objective == time."""
+def test_milp_rows_bound_the_simulator(name, window):
+    """A plan that the MILP accepts at budget b has simulated peak <= b, with objective == time.
+    With a recompute window, the plan it was built around (its warm start) is still feasible."""
     p = PROBLEMS[name]
     an = B.analysis(p)
     scheds = list(B.all_baselines(p, None).values())
@@ -69,12 +71,39 @@ def test_milp_rows_bound_the_simulator(name):
     for s in scheds:
         plan = B.plan_of(p, s)
         peak = s.predicted_peak_bytes
-        loose = Formulation(an, 10 * peak + 10**9)
+        loose = Formulation(an, 10 * peak + 10**9, window=window, warm_plan=plan)
         x = loose.plan_to_vector(plan)
         assert not loose.violations(x), s.strategy
         assert abs(loose.objective(x) - s.predicted_time_s) < 1e-9
-        tight = Formulation(an, peak - 1)
+        tight = Formulation(an, peak - 1, window=window, warm_plan=plan)
         assert tight.violations(tight.plan_to_vector(plan)), "MILP accepts a plan over budget"
+
+
+def test_window_ladder():
+    assert window_ladder("auto", 200) == [6, 12, 24, None]
+    assert window_ladder("auto", 10) == [6, None]
+    assert window_ladder(8, 200) == [8]
+    assert window_ladder(None, 200) == [None]
+    assert window_ladder(50, 20) == [None]
+
+
+@pytest.mark.parametrize("name", ["chain12", "random16", "random24"])
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_windowed_milp_is_valid_and_no_better_than_unbounded(name, window):
+    """A window only removes choices: its schedules fit, and its optimum is >= the unbounded one."""
+    p = PROBLEMS[name]
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    lb = min_feasible_lower_bound(p)
+    budget = int(lb + 0.4 * (peak0 - lb))
+    full = solve(p, budget, time_limit=20, verbose=False, window=None, mip_gap=1e-6)
+    assert full.solver.status == "optimal"
+    try:
+        win = solve(p, budget, time_limit=20, verbose=False, window=window, mip_gap=1e-6)
+    except InfeasibleBudget:
+        return  # the window may exclude every fitting schedule; the unbounded one found one
+    _check(p, win, budget)
+    assert win.meta.get("milp_window", window) in (window, None)
+    assert win.predicted_time_s >= full.predicted_time_s * (1 - 1e-6)
 
 
 @pytest.mark.parametrize("name", ["chain8", "chain12", "random10", "random16", "random24", "resnet50"])
