@@ -407,9 +407,15 @@ def best_baseline(problem: Problem, budget: int, greedy_time: float = 10.0) -> S
 
 def min_known_peak(problem: Problem) -> tuple[int, str]:
     """The smallest simulated peak among the budget-free baselines, and which one."""
+    s = lowest_peak_baseline(problem)
+    return s.predicted_peak_bytes, s.strategy
+
+
+def lowest_peak_baseline(problem: Problem) -> Schedule:
+    """The budget-free baseline with the smallest simulated peak (the fastest among equals)."""
     scheds = all_baselines(problem, None)
-    name = min(scheds, key=lambda k: scheds[k].predicted_peak_bytes)
-    return scheds[name].predicted_peak_bytes, name
+    name = min(scheds, key=lambda k: (scheds[k].predicted_peak_bytes, scheds[k].predicted_time_s))
+    return scheds[name]
 
 
 __all__ = [
@@ -421,5 +427,6 @@ __all__ = [
     "segment_sweep",
     "policy_schedule",
     "min_known_peak",
+    "lowest_peak_baseline",
     "simulate",
 ]

@@ -138,10 +138,10 @@ class Formulation:
     """
 
     def __init__(
-        self, an: Analysis, budget: int, window: int | None = None, warm_plan: Plan | None = None
+        self, an: Analysis, budget: int | None, window: int | None = None, warm_plan: Plan | None = None
     ) -> None:
         self.an = an
-        self.budget = int(budget)
+        self.budget = None if budget is None else int(budget)  # None: minimise the peak instead
         self.window = window
         self.highs_options: dict = {}
         self.var_from = self._var_from(window, warm_plan)
@@ -203,7 +203,6 @@ class Formulation:
         md = _Model()
         self.md = md
         n, T = an.n, an.T
-        budget = self.budget
         fixed = an.problem.fixed_bytes
         nimp = [len(im) for im in an.impls]
         user = an.user_held
@@ -218,6 +217,9 @@ class Formulation:
             if an.is_view[v]:
                 has_view[an.base[v]] = True
 
+        # budget=None: the budget is a column, and the objective is the peak (MiB) alone
+        self.peak_col = None if self.budget is not None else md.var(integer=False, lb=0.0, ub=INF)
+        self.mem_rows: list[int] = []
         # forward implementation and kept states
         self.k = [[md.var(cost=an.impls[i][m].fwd_time) for m in range(nimp[i])] for i in range(n)]
         for i in range(n):
@@ -385,7 +387,7 @@ class Formulation:
                             vf = vf[:1] + [x - view_bytes for x in vf[1 : 1 + len(rc)]] + vf[1 + len(rc) :]
                         md.row(vc, vf, 0.0, INF)
                         self.aux_w.append((v, vc[1:], [-x for x in vf[1:]]))
-                md.row(cols, coefs, -INF, budget - an.stage_const[s])
+                self._mem_row(cols, coefs, an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)
             cols, coefs = [], []
@@ -416,7 +418,7 @@ class Formulation:
                     cols.append(c)
                     coefs.append(an.a[b])
             _add_state_terms(an, A2, cols, coefs)
-            md.row(cols, coefs, -INF, budget - an.stage_const[s] - an.bwd_extra_base[s])
+            self._mem_row(cols, coefs, an.stage_const[s] + an.bwd_extra_base[s])
 
         # forward memory per step
         md.tag = ("mem_fwd",)
@@ -444,12 +446,25 @@ class Formulation:
                         st_coefs.append(st)
             ws_cols = [self.k[i][m] for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
             ws_coefs = [an.impls[i][m].fwd_workspace for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
-            rhs = budget - fixed - live_const - an.a[i]
             # live_const tracks -(bytes of storages already released); add all earlier storages
-            md.row(kept_cols + st_cols + ws_cols, kept_coefs + st_coefs + ws_coefs, -INF, rhs)
+            self._mem_row(
+                kept_cols + st_cols + ws_cols, kept_coefs + st_coefs + ws_coefs, fixed + live_const + an.a[i]
+            )
             live_const += an.a[i]  # == bytes of storages created before i+1 and not yet released
+        if self.peak_col is not None:
+            md.cost = [0.0] * len(md.cost)
+            md.cost[self.peak_col] = 1.0 / 2**20
         self.n_cols = len(md.cost)
         self.n_rows = len(md.r_lo)
+
+    def _mem_row(self, cols: list[int], coefs: list[float], const: float) -> None:
+        """const + sum(coefs * cols) <= budget (or <= the peak column)."""
+        if self.peak_col is None:
+            r = self.md.row(cols, coefs, -INF, self.budget - const)
+        else:
+            r = self.md.row(list(cols) + [self.peak_col], list(coefs) + [-1.0], -INF, -const)
+        if r >= 0:
+            self.mem_rows.append(r)
 
     # ------------------------------------------------------------------------------------------
     def plan_to_vector(self, plan: Plan) -> np.ndarray:
@@ -480,7 +495,13 @@ class Formulation:
             x[y] = max([0.0] + [sum(x[k] for k in cols) + const for cols, const in groups])
         for v, cols, coefs in self.aux_w:
             x[v] = max(x[v], sum(c * x[k] for c, k in zip(coefs, cols)))
-        return np.maximum(x, lb)
+        x = np.maximum(x, lb)
+        if self.peak_col is not None:  # the smallest peak column the memory rows allow
+            x[self.peak_col] = 0.0
+            act, _lo, hi = self.row_activity(x)
+            rows = np.asarray(self.mem_rows, dtype=int)
+            x[self.peak_col] = max(0.0, float(np.max(act[rows] - hi[rows]))) if len(rows) else 0.0
+        return x
 
     def vector_to_plan(self, x: np.ndarray) -> Plan:
         an = self.an
@@ -631,7 +652,7 @@ class Formulation:
             bound = float(info.mip_dual_bound)
             # a bound HiGHS may not have reached yet: every node runs forward once and every
             # backward once, each with its fastest implementation
-            trivial = self.trivial_time_bound()
+            trivial = self.trivial_time_bound() if self.peak_col is None else 0.0
             if not np.isfinite(bound) or bound < trivial:
                 bound = trivial
             gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
@@ -695,6 +716,7 @@ def solve(
     threads: int = 2,
     warm_start: bool = True,
     window: int | str | None = "auto",
+    start_plan: Plan | None = None,
 ):
     """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
 
@@ -704,14 +726,15 @@ def solve(
     replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
     fitting baseline is returned and `solver.status` says "fallback:<baseline>".
 
+    `start_plan`: a Plan known to fit (e.g. from `minimum_peak`), used as the warm start
+    when no baseline fits.
     `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
     None (the unbounded formulation only); see the module docstring.
     """
     from solver.baselines import analysis, best_baseline, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
-    from solver.plan import PlanError, to_schedule
+    from solver.plan import PlanError
     from solver.schedule import Schedule, SolverInfo
-    from solver.simulate import ScheduleInvalid, simulate
 
     t_start = time.perf_counter()
     deadline = t_start + float(time_limit)
@@ -760,65 +783,28 @@ def solve(
         )
         return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
 
-    # widen the recompute window while time remains: each MILP starts from the best plan so far
-    best = None  # (schedule, objective, plan)
-    attempts: list[dict] = []
-    last = None  # (window, MilpResult) of the widest MILP run
-    for w in window_ladder(window, an.n):
-        remaining = deadline - time.perf_counter()
-        if remaining < 1.0 and last is not None:
-            break
-        form = Formulation(an, budget_bytes, window=w, warm_plan=warm_plan)
-        warm = None
-        if warm_plan is not None:
-            warm = form.plan_to_vector(warm_plan)
-            bad = form.violations(warm)
-            if bad:
-                log(verbose, f"warm start violates {len(bad)} rows of the window-{w} MILP; not used")
-                warm = None
-        log(
-            verbose,
-            f"MILP, recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
-            f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
-        )
-        res = form.solve_highs(
-            max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
-        )
-        last = (w, res)
-        attempts.append(
-            {
-                "window": w,
-                "status": res.status,
-                "objective": res.objective,
-                "bound": res.dual_bound,
-                "seconds": round(res.solve_time_s, 2),
-                "cols": res.n_cols,
-                "rows": res.n_rows,
-            }
-        )
-        log(
-            verbose,
-            f"HiGHS (window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
-            f"gap {res.gap}, {res.solve_time_s:.1f} s",
-        )
-        if res.plan is not None:
-            try:
-                sched = to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
-                sim = simulate(problem, sched)
-            except (PlanError, ScheduleInvalid) as exc:
-                log(verbose, f"MILP solution did not replay: {exc}")
-                sim = None
-            if sim is not None and sim.peak_bytes > budget_bytes:
-                log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
-                sim = None
-            if sim is not None and (
-                best is None or sched.predicted_time_s < best[0].predicted_time_s - 1e-12
-            ):
-                best = (sched, res.objective, res.plan)
-                warm_plan = res.plan
-        if res.status not in ("optimal", "infeasible"):
-            break  # out of time (or HiGHS gave up): a wider window would not get further
-
+    if start_plan is not None and (warm_plan is None or not warm_start):
+        warm_plan = start_plan
+    if warm_plan is None and deadline - time.perf_counter() > 2.0:
+        # no baseline fits: find the smallest peak the MILP reaches, and start from it
+        t_peak = time.perf_counter() + 0.4 * (deadline - time.perf_counter())
+        low = _ladder(problem, an, None, window, _lowest_plan(problem), t_peak, mip_gap, threads, verbose)
+        if low.best is not None:
+            low_peak = low.best[0].predicted_peak_bytes
+            log(verbose, f"smallest peak the MILP found: {low_peak} B (budget {budget_bytes} B)")
+            if low_peak <= budget_bytes:
+                warm_plan = low.best[2]
+            else:
+                known, name = min_known_peak(problem)
+                known = min(known, low_peak)
+                raise NoScheduleFound(
+                    f"no schedule within budget {budget_bytes} bytes found in {time_limit:.0f} s; the "
+                    f"lower bound is {lb} bytes and the smallest peak found is {known} bytes (MILP "
+                    f"minimising the peak, {low.scope()}); raise the budget or the time limit",
+                    known,
+                )
+    lad = _ladder(problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose)
+    best, last, attempts = lad.best, lad.last, lad.attempts
     elapsed = time.perf_counter() - t_start
     w_last, res_last = last
     scope = "unbounded" if w_last is None else f"{w_last} nodes"
@@ -851,6 +837,141 @@ def solve(
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
         return fallback("a baseline is faster", gap=gap)
     return sched
+
+
+def minimum_peak(problem, time_limit: float = 60.0, verbose: bool = True, window="auto", threads: int = 2):
+    """The fastest schedule at the smallest peak the MILP finds within `time_limit`.
+
+    Half the time minimises the peak (recompute windows widening as in `solve`), the
+    rest minimises the step time at that peak. `meta["lower_bound_bytes"]` is
+    `min_feasible_lower_bound`: no schedule peaks lower (the MILP's own dual bound
+    is not one, since its memory rows over-approximate the simulator)."""
+    from solver.baselines import analysis, min_known_peak, no_recompute
+    from solver.bounds import min_feasible_lower_bound
+
+    t_start = time.perf_counter()
+    an = analysis(problem)
+    lb = min_feasible_lower_bound(problem)
+    low = _ladder(
+        problem, an, None, window, _lowest_plan(problem), t_start + 0.5 * time_limit, 0.001, threads, verbose
+    )
+    if low.best is None:
+        known, name = min_known_peak(problem)
+        target = known
+        log(verbose, f"the peak MILP found nothing; using the smallest baseline peak ({name})")
+    else:
+        known, _name = min_known_peak(problem)
+        target = min(low.best[0].predicted_peak_bytes, known)
+    remaining = max(1.0, time_limit - (time.perf_counter() - t_start))
+    start = low.best[2] if low.best is not None and low.best[0].predicted_peak_bytes <= target else None
+    sched = solve(
+        problem,
+        int(target),
+        time_limit=remaining,
+        verbose=verbose,
+        window=window,
+        threads=threads,
+        start_plan=start,
+    )
+    meta = {
+        "lower_bound_bytes": lb,
+        "no_recompute_peak_bytes": no_recompute(problem).predicted_peak_bytes,
+        "min_peak_attempts": low.attempts,
+    }
+    return dataclasses.replace(sched, meta={**sched.meta, **meta})
+
+
+def _lowest_plan(problem) -> Plan | None:
+    """The plan of the lowest-peak baseline: the peak MILP's warm start."""
+    from solver.baselines import lowest_peak_baseline, plan_of
+    from solver.plan import PlanError
+
+    try:
+        return plan_of(problem, lowest_peak_baseline(problem))
+    except (PlanError, KeyError):  # pragma: no cover - defensive
+        return None
+
+
+@dataclass
+class _LadderResult:
+    best: tuple | None  # (schedule, objective, plan)
+    last: tuple  # (window, MilpResult) of the widest MILP run
+    attempts: list[dict]
+
+    def scope(self) -> str:
+        w = self.last[0]
+        return "recompute window unbounded" if w is None else f"recompute window {w} nodes"
+
+
+def _ladder(
+    problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose
+) -> _LadderResult:
+    """Widen the recompute window while time remains; each MILP starts from the best plan so far.
+    budget_bytes=None minimises the peak (best = smallest simulated peak, then time)."""
+    from solver.plan import PlanError, to_schedule
+    from solver.schedule import SolverInfo
+    from solver.simulate import ScheduleInvalid, simulate
+
+    what = "peak" if budget_bytes is None else "time"
+    best = None
+    attempts: list[dict] = []
+    last = None
+    for w in window_ladder(window, an.n):
+        remaining = deadline - time.perf_counter()
+        if remaining < 1.0 and last is not None:
+            break
+        form = Formulation(an, budget_bytes, window=w, warm_plan=warm_plan)
+        warm = None
+        if warm_plan is not None:
+            warm = form.plan_to_vector(warm_plan)
+            bad = form.violations(warm)
+            if bad:
+                log(verbose, f"warm start violates {len(bad)} rows of the window-{w} MILP; not used")
+                warm = None
+        log(
+            verbose,
+            f"MILP ({what}), recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
+            f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
+        )
+        res = form.solve_highs(
+            max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
+        )
+        last = (w, res)
+        attempts.append(
+            {
+                "minimise": what,
+                "window": w,
+                "status": res.status,
+                "objective": res.objective,
+                "bound": res.dual_bound,
+                "seconds": round(res.solve_time_s, 2),
+                "cols": res.n_cols,
+                "rows": res.n_rows,
+            }
+        )
+        log(
+            verbose,
+            f"HiGHS ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
+            f"gap {res.gap}, {res.solve_time_s:.1f} s",
+        )
+        if res.plan is not None:
+            try:
+                sched = to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
+                sim = simulate(problem, sched)
+            except (PlanError, ScheduleInvalid) as exc:
+                log(verbose, f"MILP solution did not replay: {exc}")
+                sim = None
+            if sim is not None and budget_bytes is not None and sim.peak_bytes > budget_bytes:
+                log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
+                sim = None
+            if sim is not None:
+                key = (sim.peak_bytes, sim.time_s) if budget_bytes is None else (sim.time_s,)
+                if best is None or key < best[3]:
+                    best = (sched, res.objective, res.plan, key)
+                    warm_plan = res.plan
+        if res.status not in ("optimal", "infeasible"):
+            break  # out of time (or HiGHS gave up): a wider window would not get further
+    return _LadderResult(best[:3] if best else None, last, attempts)
 
 
 def window_ladder(window, n: int) -> list[int | None]:

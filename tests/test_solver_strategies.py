@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, simulate, solve
+from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
 from solver import baselines as B
 from solver.milp import Formulation, window_ladder
 from solver.synthetic import problem_zoo
@@ -161,3 +161,34 @@ def test_verbose_logs(capsys):
     solve(PROBLEMS["chain8"], 0.9, time_limit=3, verbose=False)
     out = capsys.readouterr()
     assert out.err == "" and out.out == ""
+
+
+@pytest.mark.parametrize("name", ["chain12", "random16", "resnet50"])
+def test_peak_mode_rows_bound_the_simulator_and_minimum_peak_fits(name):
+    """Minimising the peak: a plan's peak column bounds its simulated peak; minimum_peak's schedule
+    is valid, no higher than every baseline's peak and not below the lower bound."""
+    p = PROBLEMS[name]
+    an = B.analysis(p)
+    for s in B.all_baselines(p, None).values():
+        plan = B.plan_of(p, s)
+        form = Formulation(an, None, window=3, warm_plan=plan)
+        x = form.plan_to_vector(plan)
+        assert not form.violations(x)
+        assert x[form.peak_col] >= s.predicted_peak_bytes - 1e-6
+    sched = minimum_peak(p, time_limit=20, verbose=False)
+    sim = _check(p, sched, sched.budget_bytes)
+    assert min_feasible_lower_bound(p) <= sim.peak_bytes
+    assert sim.peak_bytes <= min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
+
+
+def test_solve_below_every_baseline_uses_the_peak_milp():
+    """A budget no baseline reaches: solve() first minimises the peak, then fits the budget."""
+    p = PROBLEMS["resnet50"]
+    known = min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
+    low = minimum_peak(p, time_limit=20, verbose=False)
+    if low.predicted_peak_bytes >= known:
+        pytest.fail(f"the peak MILP did not beat the baselines ({low.predicted_peak_bytes} >= {known})")
+    budget = (low.predicted_peak_bytes + known) // 2
+    s = solve(p, budget, time_limit=30, verbose=False)
+    _check(p, s, budget)
+    assert not s.solver.status.startswith("fallback")
