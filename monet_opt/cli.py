@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("solve", help="profile a model and solve a schedule for a memory budget")
     _model_args(p)
     p.add_argument(
-        "--budget", required=True, help="fraction of plain PyTorch's peak (0.5) or a size (800MB, 2GiB)"
+        "--budget",
+        required=True,
+        help="fraction of plain PyTorch's peak (0.5), a size (800MB, 2GiB), or 'min' (smallest peak found)",
     )
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")

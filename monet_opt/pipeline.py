@@ -21,11 +21,13 @@ def no_recompute_peak(problem: Problem) -> int:
     return solver.simulate(problem, no_recompute(problem)).peak_bytes
 
 
-def parse_budget(text: str | float | int) -> float | int:
-    """'0.5' -> fraction 0.5; '2GiB', '800MB', '123456' -> bytes."""
+def parse_budget(text: str | float | int) -> float | int | str:
+    """'0.5' -> fraction 0.5; '2GiB', '800MB', '123456' -> bytes; 'min' -> 'min' (smallest peak found)."""
     if isinstance(text, (int, float)):
         return text
     t = text.strip().replace(" ", "")
+    if t.lower() == "min":
+        return "min"
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
     upper = t.upper()
     for unit, scale in units.items():
@@ -47,7 +49,7 @@ def parse_budget(text: str | float | int) -> float | int:
                 return int(value)
     raise ValueError(
         f"bad budget {text!r}: give a fraction of the plain-PyTorch peak in (0, 1] (e.g. 0.5) "
-        "or a size such as 800MB, 2GiB or a number of bytes"
+        "or a size such as 800MB, 2GiB or a number of bytes, or 'min' for the smallest peak the solver finds"
     )
 
 
@@ -66,7 +68,10 @@ def solve_model(
     problem = problem or build_problem(model, example_inputs, progress=verbose, meta=meta)
     budget = parse_budget(budget)
     plain = no_recompute_peak(problem)
-    schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
+    if budget == "min":
+        schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
+    else:
+        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
     info = dict(problem.meta)
     info.update(schedule.meta)
     info.update(

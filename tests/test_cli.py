@@ -65,3 +65,22 @@ def test_corrupt_schedule_file(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["inspect", str(bad)]) == 2
     assert "corrupt" in capsys.readouterr().err
+
+
+def test_solve_min_budget_finds_the_smallest_peak(tmp_path, capsys):
+    """--budget min: a schedule at or below the lowest peak of every baseline, above the lower bound."""
+    from solver import baselines as B
+    from solver import min_feasible_lower_bound
+
+    path = tmp_path / "min.json"
+    problem_path = tmp_path / "problem.json"
+    args = ["solve", *SMALL, "--budget", "min", "-o", str(path), "--problem-out", str(problem_path)]
+    assert main(args) == 0
+    schedule = Schedule.from_json(path)
+    from solver import Problem, simulate
+
+    problem = Problem.from_json(problem_path)
+    peak = simulate(problem, schedule).peak_bytes
+    lowest = min(s.predicted_peak_bytes for s in B.all_baselines(problem, None).values())
+    assert min_feasible_lower_bound(problem) <= peak <= lowest
+    assert peak <= schedule.budget_bytes
