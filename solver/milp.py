@@ -144,6 +144,7 @@ class Formulation:
         self.budget = None if budget is None else int(budget)  # None: minimise the peak instead
         self.window = window
         self.highs_options: dict = {}
+        self.stop_at_objective: float | None = None  # interrupt once a solution this good exists
         self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
         self._build()
@@ -625,9 +626,20 @@ class Formulation:
             if time.perf_counter() > deadline:
                 event.interrupt()
 
-        for cb in (h.cbSimplexInterrupt, h.cbIpmInterrupt, h.cbMipInterrupt):
+        target = self.stop_at_objective
+
+        def _stop_mip(event) -> None:
+            _stop_at_deadline(event)
+            if target is not None and event.data_out.mip_primal_bound <= target:
+                event.interrupt()  # good enough: a solution under the target exists
+
+        for cb, fn in (
+            (h.cbSimplexInterrupt, _stop_at_deadline),
+            (h.cbIpmInterrupt, _stop_at_deadline),
+            (h.cbMipInterrupt, _stop_mip),
+        ):
             try:
-                cb.subscribe(_stop_at_deadline)
+                cb.subscribe(fn)
             except Exception:  # pragma: no cover - older highspy without callbacks
                 pass
         h.run()
@@ -786,9 +798,11 @@ def solve(
     if start_plan is not None and (warm_plan is None or not warm_start):
         warm_plan = start_plan
     if warm_plan is None and deadline - time.perf_counter() > 2.0:
-        # no baseline fits: find the smallest peak the MILP reaches, and start from it
+        # no baseline fits: lower the peak with the MILP until a plan fits, and start from it
         t_peak = time.perf_counter() + 0.4 * (deadline - time.perf_counter())
-        low = _ladder(problem, an, None, window, _lowest_plan(problem), t_peak, mip_gap, threads, verbose)
+        low = _ladder(
+            problem, an, None, window, _lowest_plan(problem), t_peak, mip_gap, threads, verbose, budget_bytes
+        )
         if low.best is not None:
             low_peak = low.best[0].predicted_peak_bytes
             log(verbose, f"smallest peak the MILP found: {low_peak} B (budget {budget_bytes} B)")
@@ -904,7 +918,7 @@ class _LadderResult:
 
 
 def _ladder(
-    problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose
+    problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose, stop_at_peak=None
 ) -> _LadderResult:
     """Widen the recompute window while time remains; each MILP starts from the best plan so far.
     budget_bytes=None minimises the peak (best = smallest simulated peak, then time)."""
@@ -921,6 +935,8 @@ def _ladder(
         if remaining < 1.0 and last is not None:
             break
         form = Formulation(an, budget_bytes, window=w, warm_plan=warm_plan)
+        if stop_at_peak is not None:
+            form.stop_at_objective = stop_at_peak / 2**20
         warm = None
         if warm_plan is not None:
             warm = form.plan_to_vector(warm_plan)
