@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 
 import solver
-from monet_opt.bench import measure_step, training_step, zero_grad
+from monet_opt.bench import interleaved_times, measure_step, training_step, zero_grad
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from monet_opt.zoo import ModelSpec
@@ -126,16 +125,8 @@ def paired_step_times(
     Steps of the two run in turn (plain, model, plain, model, ...), so a change in the
     machine's load during the measurement hits both alike; both are assumed warm.
     """
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for _ in range(steps):
-        for k, m in enumerate((plain_model, model)):
-            zero_grad(m)
-            t0 = time.perf_counter()
-            training_step(m, inputs)
-            times[k].append(time.perf_counter() - t0)
-    zero_grad(plain_model)
-    zero_grad(model)
-    return statistics.median(times[1]), statistics.median(times[0])
+    plain_s, step_s = interleaved_times(plain_model, model, inputs, steps)
+    return step_s, plain_s
 
 
 def measure_paired(

@@ -96,8 +96,11 @@ def main() -> None:
     for spec in specs:
         lines += make(spec, budgets, args.time_limit, args.steps)
     index = OUT / "index.md"
-    old = index.read_text() if index.exists() else ""
-    index.write_text(old + "\n".join(lines) + "\n")
+    remade = tuple(f"| {spec.describe()} |" for spec in specs)
+    old = [
+        ln for ln in (index.read_text().splitlines() if index.exists() else []) if not ln.startswith(remade)
+    ]
+    index.write_text("\n".join(old + lines) + "\n")
     print(json.dumps({"written": len(lines)}))
 
 

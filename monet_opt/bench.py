@@ -59,22 +59,45 @@ def training_step(model: nn.Module, inputs: tuple) -> None:
 
 def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, float]:
     """(peak bytes above what was live before the step, median step seconds)."""
+    peak = measure_step_peak(model, inputs)
+    times = [timed_step(model, inputs) for _ in range(steps)]
+    zero_grad(model)
+    return peak, statistics.median(times)
+
+
+def measure_step_peak(model: nn.Module, inputs: tuple) -> int:
+    """Peak bytes of one training step, after a warm-up step."""
     zero_grad(model)
     training_step(model, inputs)  # warm-up
     zero_grad(model)
     peak = measure_peak(training_step, model, inputs).peak_bytes
-    times = []
-    for _ in range(steps):
-        zero_grad(model)
-        if inputs and inputs[0].is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        training_step(model, inputs)
-        if inputs and inputs[0].is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
     zero_grad(model)
-    return peak, statistics.median(times)
+    return peak
+
+
+def timed_step(model: nn.Module, inputs: tuple) -> float:
+    """Seconds of one training step (gradients zeroed first, CUDA synchronised)."""
+    zero_grad(model)
+    cuda = bool(inputs) and isinstance(inputs[0], torch.Tensor) and inputs[0].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    training_step(model, inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleaved_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[float, float]:
+    """Median step seconds of `a` and `b`, timed alternately (a, b, a, b, ...) so that load
+    changes on a shared machine hit both alike."""
+    ta, tb = [], []
+    for _ in range(steps):
+        ta.append(timed_step(a, inputs))
+        tb.append(timed_step(b, inputs))
+    zero_grad(a)
+    zero_grad(b)
+    return statistics.median(ta), statistics.median(tb)
 
 
 @dataclass
@@ -141,9 +164,10 @@ def bench_model(
 ) -> BenchResult:
     from monet_opt.runtime import MonetWrapper
 
-    plain_peak, plain_t = measure_step(model, inputs, steps)
+    plain_peak = measure_step_peak(model, inputs)
     wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
-    peak, t = measure_step(wrapped, inputs, steps)
+    peak = measure_step_peak(wrapped, inputs)
+    plain_t, t = interleaved_times(model, wrapped, inputs, steps)
     return BenchResult(
         name,
         schedule.budget_bytes,
