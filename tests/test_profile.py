@@ -6,6 +6,7 @@ import functools
 import time
 
 import pytest
+import torch
 
 import solver
 from monet_opt.profile import build_problem
@@ -66,5 +67,35 @@ def test_second_build_is_served_from_cache(built):
         second.meta["profile_cache_hits"]
         >= sum(len(n.impls) for n in second.nodes if n.output_bytes > 0) * 0.9
     )
-    assert [n.impls for n in second.nodes] == [n.impls for n in first.nodes]
+    # served from the cache: the same isolated times
+    third = build_problem(model, (x,), progress=False, repeats=1)
+    assert [n.impls for n in third.nodes] == [n.impls for n in second.nodes]
     assert elapsed < 30, f"{name}: cached build took {elapsed:.1f} s"
+
+
+def test_in_situ_calibration_scales_times_and_restores_the_model(built):
+    """Calibrated times are the isolated ones scaled per node (all implementations alike);
+    the calibration's training steps leave buffers, gradients and the RNG as they were."""
+    from monet_opt.calibrate import MAX_SCALE, MIN_SCALE, calibrate_in_situ
+
+    _, model, x, _ = built
+    raw = build_problem(model, (x,), progress=False, repeats=1, calibrate=False)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    cal = calibrate_in_situ(model, (x,), raw)
+    assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert cal.fingerprint == raw.fingerprint
+    assert cal.meta["in_situ_calibration"]["fwd_in_step_s"] > 0
+    scaled = 0
+    for a, b in zip(raw.nodes, cal.nodes):
+        d0, d1 = a.impls[0], b.impls[0]
+        if d0.fwd_time > 0:
+            s = d1.fwd_time / d0.fwd_time
+            assert MIN_SCALE - 1e-9 <= s <= MAX_SCALE + 1e-9
+            for i0, i1 in zip(a.impls, b.impls):  # every implementation of a node scaled alike
+                assert abs(i1.fwd_time - i0.fwd_time * s) <= 1e-12 + 1e-9 * i0.fwd_time
+                assert (i0.state_bytes, i0.fwd_workspace) == (i1.state_bytes, i1.fwd_workspace)
+            scaled += s != 1.0
+    assert scaled > len(raw.nodes) // 2

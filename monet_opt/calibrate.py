@@ -1,0 +1,134 @@
+"""Calibrate profiled times against a real training step.
+
+Each node is profiled alone (`monet_opt.profile`): the same input again and again, its
+memory warm in cache and its output landing in memory the allocator just freed. Inside a
+real step the input is cold and the output is fresh memory, so memory-bound operators
+(ReLU, BatchNorm, add) take several times longer there, and a solver that trusts the
+isolated times recomputes them too eagerly.
+
+`calibrate_in_situ` runs a few training steps of the model through the runtime with the
+no-recompute schedule (default implementations), times every node's forward and backward
+where it really runs, and scales all implementations of that node by the ratio of its
+in-step time to its isolated default time. Model parameters, buffers (BatchNorm running
+statistics), gradients and the RNG state are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from solver.problem import Problem
+
+MIN_SCALE, MAX_SCALE = 0.25, 50.0
+
+
+def in_situ_times(model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2):
+    """{node: median forward s} and {node: median backward s} inside real training steps."""
+    from monet_opt.bench import training_step
+    from monet_opt.runtime import MonetWrapper
+    from solver.baselines import no_recompute
+
+    saved = _save_model_state(model)  # before tracing: it may draw random numbers too
+    wrapped = MonetWrapper(model, no_recompute(problem), example_inputs=example_inputs)
+    ex = wrapped.executor
+    fwd: dict[str, list[float]] = defaultdict(list)
+    bwd: dict[str, list[float]] = defaultdict(list)
+    recording = [False]
+    compute, backward = ex.compute, ex.backward
+    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_compute(run, name, impl, grad, recompute):
+        sync()
+        t0 = time.perf_counter()
+        compute(run, name, impl, grad, recompute)
+        sync()
+        if recording[0]:
+            fwd[name].append(time.perf_counter() - t0)
+
+    def timed_backward(run, name):
+        sync()
+        t0 = time.perf_counter()
+        backward(run, name)
+        sync()
+        if recording[0]:
+            bwd[name].append(time.perf_counter() - t0)
+
+    ex.compute, ex.backward = timed_compute, timed_backward
+    model.train()
+    try:
+        for k in range(steps + 1):  # the first step warms up
+            recording[0] = k > 0
+            model.zero_grad(set_to_none=True)
+            training_step(wrapped, example_inputs)
+    finally:
+        _restore_model_state(model, saved)
+    med = {n: statistics.median(v) for n, v in fwd.items()}
+    medb = {n: statistics.median(v) for n, v in bwd.items()}
+    return med, medb
+
+
+def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2) -> Problem:
+    """`problem` with every node's times scaled to what its default implementation takes in a real step."""
+    fwd, bwd = in_situ_times(model, example_inputs, problem, steps)
+    nodes = []
+    summary = {"fwd_isolated_s": 0.0, "fwd_in_step_s": 0.0, "bwd_isolated_s": 0.0, "bwd_in_step_s": 0.0}
+    for node in problem.nodes:
+        default = node.impls[0]
+        sf = _scale(fwd.get(node.name), default.fwd_time)
+        sb = _scale(bwd.get(node.name), default.bwd_time)
+        if node.name in fwd:
+            summary["fwd_isolated_s"] += default.fwd_time
+            summary["fwd_in_step_s"] += fwd[node.name]
+        if node.name in bwd and node.requires_backward:
+            summary["bwd_isolated_s"] += default.bwd_time
+            summary["bwd_in_step_s"] += bwd[node.name]
+        impls = tuple(
+            dataclasses.replace(im, fwd_time=im.fwd_time * sf, bwd_time=im.bwd_time * sb) for im in node.impls
+        )
+        nodes.append(dataclasses.replace(node, impls=impls))
+    meta = dict(problem.meta)
+    meta["in_situ_calibration"] = {k: round(v, 6) for k, v in summary.items()} | {"steps": steps}
+    return dataclasses.replace(problem, nodes=nodes, meta=meta)
+
+
+def _scale(in_step: float | None, isolated: float) -> float:
+    if in_step is None or isolated <= 0.0:
+        return 1.0
+    return min(MAX_SCALE, max(MIN_SCALE, in_step / isolated))
+
+
+def _save_model_state(model: nn.Module) -> dict[str, Any]:
+    return {
+        "buffers": {k: v.detach().clone() for k, v in model.named_buffers()},
+        "grads": {
+            k: (None if p.grad is None else p.grad.detach().clone()) for k, p in model.named_parameters()
+        },
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None,
+        "training": model.training,
+    }
+
+
+def _restore_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(saved["buffers"][k])
+    for k, p in model.named_parameters():
+        p.grad = saved["grads"][k]
+    torch.set_rng_state(saved["rng"])
+    if saved["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(saved["cuda_rng"])
+    model.train(saved["training"])
