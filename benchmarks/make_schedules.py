@@ -28,7 +28,7 @@ SHIPPED = [
     ModelSpec("resnet50", batch=8, image=224),
     ModelSpec("mobilenet_v2", batch=8, image=224),
     ModelSpec("googlenet", batch=8, image=224),
-    ModelSpec("vgg16", batch=4, image=224),
+    ModelSpec("vgg16", batch=16, image=224),  # at batch 4 parameter gradients are 0.97 of the peak
     ModelSpec("gpt", batch=8, seq=256),
 ]
 OUT = Path(__file__).resolve().parent.parent / "schedules"

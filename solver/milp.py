@@ -121,6 +121,8 @@ class _Model:
 INF = float("inf")
 # how many nodes back (topological index) a backward stage may recompute; None: unbounded
 AUTO_WINDOWS = (6, 12, 24, None)
+# peak mode's time preference: MiB added per no-recompute step time of predicted time
+PEAK_MODE_TIME_MIB = 1.0
 
 
 class Formulation:
@@ -144,7 +146,7 @@ class Formulation:
         self.budget = None if budget is None else int(budget)  # None: minimise the peak instead
         self.window = window
         self.highs_options: dict = {}
-        self.stop_at_objective: float | None = None  # interrupt once a solution this good exists
+        self.stop_at_objective: float | None = None  # peak mode: stop once a plan's peak (MiB) is <= this
         self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
         self._build()
@@ -453,7 +455,10 @@ class Formulation:
             )
             live_const += an.a[i]  # == bytes of storages created before i+1 and not yet released
         if self.peak_col is not None:
-            md.cost = [0.0] * len(md.cost)
+            # the peak in MiB, plus a small preference for fast plans: a plan twice as slow as
+            # no recomputation costs PEAK_MODE_TIME_MIB more (ties and near-ties go to speed)
+            scale = PEAK_MODE_TIME_MIB / max(self.trivial_bound(an), 1e-12)
+            md.cost = [c * scale for c in md.cost]
             md.cost[self.peak_col] = 1.0 / 2**20
         self.n_cols = len(md.cost)
         self.n_rows = len(md.r_lo)
@@ -627,16 +632,24 @@ class Formulation:
                 event.interrupt()
 
         target = self.stop_at_objective
+        peak_col = self.peak_col
+        under_target = [False]
+
+        def _improving(event) -> None:
+            sol = event.data_out.mip_solution
+            if target is not None and peak_col is not None and len(sol) > peak_col:
+                under_target[0] = under_target[0] or sol[peak_col] <= target
 
         def _stop_mip(event) -> None:
             _stop_at_deadline(event)
-            if target is not None and event.data_out.mip_primal_bound <= target:
-                event.interrupt()  # good enough: a solution under the target exists
+            if under_target[0]:
+                event.interrupt()  # good enough: a plan whose peak is under the target exists
 
         for cb, fn in (
             (h.cbSimplexInterrupt, _stop_at_deadline),
             (h.cbIpmInterrupt, _stop_at_deadline),
             (h.cbMipInterrupt, _stop_mip),
+            (h.cbMipImprovingSolution, _improving),
         ):
             try:
                 cb.subscribe(fn)
@@ -833,12 +846,14 @@ def solve(
             )
         return fallback(f"MILP {res_last.status}")
     sched, obj, _plan = best
-    # the best plan was the last MILP's warm start, so that MILP's dual bound bounds it
-    bound = res_last.dual_bound
-    if bound is None or res_last.plan is None:
+    if lad.proven is not None:
+        w_last, gap, status = lad.proven
+        bound = obj * (1.0 - gap)
+    else:
         bound = Formulation.trivial_bound(an)
-    gap = max(0.0, (obj - bound) / obj) if obj and obj > 0 else 0.0
-    status = res_last.status if res_last.plan is not None else "time_limit"
+        gap = max(0.0, (obj - bound) / obj) if obj and obj > 0 else 0.0
+        status = "time_limit"
+    scope = "unbounded" if w_last is None else f"{w_last} nodes"
     info = SolverInfo(name="highs-milp", status=status, gap=gap, solve_time_s=elapsed)
     meta = {
         "milp_objective": obj,
@@ -911,6 +926,7 @@ class _LadderResult:
     best: tuple | None  # (schedule, objective, plan)
     last: tuple  # (window, MilpResult) of the widest MILP run
     attempts: list[dict]
+    proven: tuple | None = None  # (window, gap, status) of the tightest bound on the best plan
 
     def scope(self) -> str:
         w = self.last[0]
@@ -928,7 +944,9 @@ def _ladder(
 
     what = "peak" if budget_bytes is None else "time"
     best = None
+    best_index = -1
     attempts: list[dict] = []
+    results: list[tuple] = []  # (window, MilpResult, warm start accepted)
     last = None
     for w in window_ladder(window, an.n):
         remaining = deadline - time.perf_counter()
@@ -953,6 +971,7 @@ def _ladder(
             max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
         )
         last = (w, res)
+        results.append((w, res, warm is not None))
         attempts.append(
             {
                 "minimise": what,
@@ -985,9 +1004,21 @@ def _ladder(
                 if best is None or key < best[3]:
                     best = (sched, res.objective, res.plan, key)
                     warm_plan = res.plan
+                    best_index = len(results) - 1
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
-    return _LadderResult(best[:3] if best else None, last, attempts)
+    # the tightest proven gap for the best plan: from the MILP that found it, or a later (wider)
+    # one that had it as an accepted warm start (so the plan lies in that MILP's feasible set)
+    proven = None
+    if best is not None:
+        obj = best[1]
+        for k, (w, res, warm_ok) in enumerate(results):
+            if k < best_index or (k > best_index and not warm_ok) or res.dual_bound is None:
+                continue
+            gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
+            if proven is None or gap <= proven[1]:
+                proven = (w, gap, res.status)
+    return _LadderResult(best[:3] if best else None, last, attempts, proven)
 
 
 def window_ladder(window, n: int) -> list[int | None]:

@@ -175,7 +175,7 @@ def test_peak_mode_rows_bound_the_simulator_and_minimum_peak_fits(name):
         x = form.plan_to_vector(plan)
         assert not form.violations(x)
         assert x[form.peak_col] >= s.predicted_peak_bytes - 1e-6
-    sched = minimum_peak(p, time_limit=20, verbose=False)
+    sched = minimum_peak(p, time_limit=10, verbose=False)
     sim = _check(p, sched, sched.budget_bytes)
     assert min_feasible_lower_bound(p) <= sim.peak_bytes
     assert sim.peak_bytes <= min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
@@ -185,10 +185,10 @@ def test_solve_below_every_baseline_uses_the_peak_milp():
     """A budget no baseline reaches: solve() first minimises the peak, then fits the budget."""
     p = PROBLEMS["resnet50"]
     known = min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
-    low = minimum_peak(p, time_limit=20, verbose=False)
+    low = minimum_peak(p, time_limit=10, verbose=False)
     if low.predicted_peak_bytes >= known:
         pytest.fail(f"the peak MILP did not beat the baselines ({low.predicted_peak_bytes} >= {known})")
     budget = (low.predicted_peak_bytes + known) // 2
-    s = solve(p, budget, time_limit=30, verbose=False)
+    s = solve(p, budget, time_limit=15, verbose=False)
     _check(p, s, budget)
     assert not s.solver.status.startswith("fallback")
