@@ -7,7 +7,7 @@ Every valid schedule must, at some moment:
   the gradients that exist at stage t (they depend only on the fixed stage order),
   the parameter gradients of earlier backwards, t's state (private bytes plus the
   storages it keeps, cheapest implementation), plus the backward transient
-  (workspace, new input gradients, t's parameter gradients);
+  (workspace, new input gradients less any written in place, t's parameter gradients);
 * compute each node that an output or a backward depends on at least once: its
   inputs' storages, its new output storage and its workspace (plus its private
   state bytes if it needs a backward, since some compute of it must run with
@@ -29,7 +29,7 @@ def _backward_bound(an: Analysis, s: int) -> int:
     best = None
     for m, im in enumerate(an.impls[t]):
         kept = sum(an.a[b] for b in an.kept_bases[t][m] if b not in user)
-        v = im.state_bytes + kept + im.bwd_workspace
+        v = im.state_bytes + kept + im.bwd_workspace - an.grad_saving(t, m)
         best = v if best is None else min(best, v)
     return an.stage_const[s] + (best or 0) + an.bwd_extra_base[s]
 

@@ -403,9 +403,10 @@ class Formulation:
                     if b not in user_bases and an.a[b]:
                         keeps.setdefault(b, []).append(c)
                 im = an.impls[t][m]
-                if im.state_bytes + im.bwd_workspace:
+                own = im.state_bytes + im.bwd_workspace - an.grad_saving(t, m)
+                if own:
                     cols.append(c)
-                    coefs.append(float(im.state_bytes + im.bwd_workspace))
+                    coefs.append(float(own))
             S2 = self.S[s + 1] if s + 1 < T else {}
             A2 = self.A[s + 1] if s + 1 < T else {}
             for b, cs in keeps.items():

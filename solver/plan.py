@@ -103,6 +103,19 @@ class Analysis:
             else:
                 del grads[t]
 
+    def grad_saving(self, t: int, m: int) -> int:
+        """Bytes of new input gradient that implementation m of t does not allocate (it writes
+        one input's gradient into t's own gradient buffer; never for a model output)."""
+        im = self.impls[t][m]
+        p = im.grad_in_place
+        if p is None or t in self.outputs:
+            return 0
+        j = self.inputs[t][p]
+        if not self.rb[j]:
+            return 0
+        nodes = self.problem.nodes
+        return min(nodes[j].grad_bytes, nodes[t].grad_bytes)
+
     @property
     def ancestors(self) -> list[frozenset[int]]:
         """ancestors[i]: proper ancestors of node i."""

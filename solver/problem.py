@@ -17,7 +17,8 @@ from pathlib import Path
 
 from solver.jsonio import atomic_write_text, read_json_object
 
-PROBLEM_FORMAT_VERSION = 1
+PROBLEM_FORMAT_VERSION = 2  # 2: Impl.grad_in_place (version 1 files still load)
+READABLE_VERSIONS = (1, 2)
 
 
 class ProblemError(ValueError):
@@ -34,6 +35,11 @@ class Impl:
         (batch-norm statistics, a 1-bit ReLU mask, packed pooling indices, ...).
     fwd_workspace / bwd_workspace: transient bytes during the call, beyond the
         output (forward) or the new input gradients (backward).
+    grad_in_place: position in `Node.inputs` whose gradient the backward writes into
+        the buffer of the node's own output gradient (same size), so that input's
+        gradient needs no new allocation; None if the backward allocates every input
+        gradient. Does not apply to a model output (the autograd engine holds its
+        gradient): see `solver.simulate`.
     """
 
     name: str
@@ -44,9 +50,12 @@ class Impl:
     keeps_inputs: tuple[int, ...] = ()
     keeps_output: bool = False
     state_bytes: int = 0
+    grad_in_place: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
+        if self.grad_in_place is not None:
+            object.__setattr__(self, "grad_in_place", int(self.grad_in_place))
 
 
 @dataclass(frozen=True)
@@ -117,9 +126,10 @@ class Problem:
         if data.get("kind") != "monet-opt problem":
             raise ProblemError("not a monet-opt problem (field 'kind' missing or different)")
         version = data.get("format_version")
-        if version != PROBLEM_FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ProblemError(
-                f"problem format_version {version!r} is not supported (expected {PROBLEM_FORMAT_VERSION})"
+                f"problem format_version {version!r} is not supported "
+                f"(readable: {', '.join(map(str, READABLE_VERSIONS))})"
             )
         try:
             return cls(
@@ -161,6 +171,11 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                         f"node {node.name!r} impl {impl.name!r}: keeps input {pos}, "
                         f"but the node has {len(node.inputs)} inputs"
                     )
+            if impl.grad_in_place is not None and not 0 <= impl.grad_in_place < len(node.inputs):
+                raise ProblemError(
+                    f"node {node.name!r} impl {impl.name!r}: grad_in_place {impl.grad_in_place} "
+                    f"is not an input position (the node has {len(node.inputs)} inputs)"
+                )
             if min(impl.fwd_time, impl.bwd_time) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")
         seen.add(node.name)

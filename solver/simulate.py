@@ -36,6 +36,12 @@ Transient peaks:
 * backward of t: live + bwd_workspace + grad_bytes of every input that needs a
   gradient + param_grad_bytes(t). Then each new input gradient is added into the
   existing one (the new one freed) or becomes it; t's state and gradient are freed.
+  In-place gradients: if t's implementation names an input position in
+  `grad_in_place` and t is not a model output, that input's new gradient is
+  written into t's own gradient buffer (the runtime hands the backward a buffer
+  nobody else holds, copying it first if it is shared), so its grad_bytes are not
+  part of the transient; afterwards the buffer is that input's gradient, or is
+  added into the existing one and freed, exactly as above.
 
 Time is the sum of `fwd_time` of every compute step and `bwd_time` of every
 backward step, with the implementation named in the step.
@@ -225,6 +231,10 @@ class _Replay:
         impl = self.states[node.name][0]
         grad_inputs = [self.by_name[i] for i in node.inputs if self.by_name[i].requires_backward]
         new_grads = sum(n.grad_bytes for n in grad_inputs)
+        if impl.grad_in_place is not None and not node.is_output:
+            reused = self.by_name[node.inputs[impl.grad_in_place]]
+            if reused.requires_backward:
+                new_grads -= min(reused.grad_bytes, node.grad_bytes)
         self._bump(impl.bwd_workspace + new_grads + node.param_grad_bytes)
         self.live += node.param_grad_bytes
         for n in grad_inputs:

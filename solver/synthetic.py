@@ -64,7 +64,7 @@ class _Builder:
         small = 2 * channels * F32
         impls = [
             Impl("default", t, 2.0 * t, keeps_inputs=(0,), state_bytes=small),
-            Impl("output_activated", t, 2.3 * t, keeps_output=True, state_bytes=2 * small),
+            Impl("output_activated", t, 2.3 * t, keeps_output=True, state_bytes=2 * small, grad_in_place=0),
         ]
         return self.add(name, "batch_norm", [x], elems * F32, impls, param_grad_bytes=small)
 
@@ -72,7 +72,7 @@ class _Builder:
         t = self.jitter(elems / 4e9 + 5e-6)
         impls = [
             Impl("default", t, t, keeps_output=True),
-            Impl("bitmask", 1.1 * t, 1.2 * t, state_bytes=max(1, elems * F32 // 32)),
+            Impl("bitmask", 1.1 * t, 1.2 * t, state_bytes=max(1, elems * F32 // 32), grad_in_place=0),
         ]
         return self.add(name, "relu", [x], elems * F32, impls)
 
@@ -247,13 +247,18 @@ def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool
         if op == "relu":
             return [
                 Impl("default", t, bt, fwd_workspace=ws, keeps_output=True),
-                Impl("bitmask", 1.1 * t, 1.2 * bt, state_bytes=rng.randint(1, 4) * 1000),
+                Impl("bitmask", 1.1 * t, 1.2 * bt, state_bytes=rng.randint(1, 4) * 1000, grad_in_place=0),
             ]
         if op == "bn":
             return [
                 Impl("default", t, bt, keeps_inputs=(0,), state_bytes=rng.randint(0, 2) * 1000),
                 Impl(
-                    "output_activated", t, 1.3 * bt, keeps_output=True, state_bytes=rng.randint(1, 3) * 1000
+                    "output_activated",
+                    t,
+                    1.3 * bt,
+                    keeps_output=True,
+                    state_bytes=rng.randint(1, 3) * 1000,
+                    grad_in_place=0,
                 ),
             ]
         return [
