@@ -47,7 +47,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 3  # 2: backward workspace measured net of memory the backward releases
+CACHE_VERSION = 4  # 2: backward workspace net of memory the backward releases; 4: in-place gradients
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -199,6 +199,11 @@ def measure_node(
     probe = [t for t in tree_flatten(run(*make_inputs()[:2]))[0] if isinstance(t, torch.Tensor)]
     grads = [torch.ones_like(t) for t in probe if t.requires_grad] if needs_grad else []
     del probe
+
+    def fresh_grads():
+        # an in-place backward overwrites the gradient it is given: give it its own copy
+        return [g.clone() for g in grads] if impl.grad_in_place else grads
+
     old_grads = [p.grad for p in params]
     for p in params:
         p.grad = None
@@ -213,9 +218,11 @@ def measure_node(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return run(a, k)
 
+    bgrads = fresh_grads()
+
     def backward(out):
         o = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        root = _root(grads, o)
+        root = _root(bgrads, o)
         del o
         torch.autograd.backward(root, torch.empty(0, device=root.device))
 
@@ -272,7 +279,7 @@ def measure_node(
         for _ in range(repeats):
             a, k, leaves = make_inputs()
             o = [t for t in tree_flatten(run(a, k))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            root = _root(grads, o)
+            root = _root(fresh_grads(), o)
             del o
             for p in params:
                 p.grad = None
@@ -409,6 +416,7 @@ def build_problem(
             else:
                 hits += 1
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
+            in_place = _grad_in_place_position(impl, flat_vals, positions, flat_out)
             impl_rows.append(
                 Impl(
                     name=impl.name,
@@ -419,6 +427,7 @@ def build_problem(
                     keeps_inputs=tuple(kept),
                     keeps_output=entry["keeps_output"],
                     state_bytes=entry["state_bytes"],
+                    grad_in_place=in_place,
                 )
             )
         rows.append(
@@ -491,6 +500,21 @@ def build_problem(
 
         problem = calibrate_in_situ(model, example_inputs, problem)
     return problem
+
+
+def _grad_in_place_position(impl: Implementation, flat_vals: list, positions: list, flat_out: list):
+    """The problem-input position whose gradient an in-place implementation writes into its
+    output's gradient: its first tensor argument, if that is a problem node with the output's
+    shape and dtype; else None (no in-place saving is claimed)."""
+    if not impl.grad_in_place or len(flat_out) != 1:
+        return None
+    first = next(((pos, v) for pos, v in enumerate(flat_vals) if isinstance(v, torch.Tensor)), None)
+    if first is None or positions[first[0]] is None:
+        return None
+    value, out = first[1], flat_out[0]
+    if value.shape != out.shape or value.dtype != out.dtype:
+        return None
+    return positions[first[0]]
 
 
 def _op_node(graph: OpGraph, name: str):

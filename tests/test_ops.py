@@ -57,7 +57,8 @@ def saved_bytes(fn, params=()):
 
 
 def grads_of(out, tensors, grad_out):
-    return torch.autograd.grad(out, tensors, grad_out, allow_unused=True)
+    """Gradients for `grad_out`, fed as a copy: in-place-gradient implementations overwrite it."""
+    return torch.autograd.grad(out, tensors, grad_out.clone(), allow_unused=True)
 
 
 def assert_close_all(a, b, rtol=RTOL, atol=ATOL):
@@ -100,11 +101,11 @@ def test_registry_first_is_default_and_listing():
     for op, target in cases:
         names = [i.name for i in implementations_for(op, target)]
         assert names[0] == "default" and len(set(names)) == len(names)
-    assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask"]
+    assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask", "inplace_grad"]
     assert list(impls("call_module", nn.MaxPool2d(3, 2, 1))) == ["default", "indices"]
     assert list(impls("call_module", nn.MaxPool2d(2, return_indices=True))) == ["default"]
     bn = nn.BatchNorm2d(3)
-    assert list(impls("call_module", bn)) == ["default", "output_activated"]
+    assert list(impls("call_module", bn)) == ["default", "output_activated", "inplace_grad"]
     assert list(impls("call_module", bn.eval())) == ["default"]
     assert list(impls("call_module", nn.Dropout(0.3).eval())) == ["default"]
 
@@ -208,13 +209,13 @@ def test_relu_implementations_match(op, target):
     g = torch.randn_like(ref)
     ref_g = grads_of(ref, [x], g)
     found = impls(op, target)
-    assert set(found) == {"default", "bitmask"}
+    assert set(found) == {"default", "bitmask", "inplace_grad"}
     for impl in found.values():
         xi = x0.clone().requires_grad_()
         y = run(impl, target, (xi,))
         assert torch.equal(y.isnan(), ref.isnan())
         assert torch.equal(y.nan_to_num(), ref.nan_to_num())
-        (gi,) = grads_of(y, [xi], g)
+        (gi,) = grads_of(y, [xi], g.clone())  # in-place backwards overwrite the gradient they get
         assert torch.equal(gi, ref_g[0]), impl.name
         assert torch.equal(xi, x0.clone().requires_grad_()) or torch.equal(xi.nan_to_num(), x0.nan_to_num())
 
@@ -307,7 +308,7 @@ BN_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["default", "output_activated"])
+@pytest.mark.parametrize("name", ["default", "output_activated", "inplace_grad"])
 @pytest.mark.parametrize("cls,shape,kw", BN_CONFIGS, ids=[f"{c.__name__}-{k}" for c, _, k in BN_CONFIGS])
 def test_batchnorm_train(name, cls, shape, kw):
     ref, mine = _bn_pair(cls, **kw)
@@ -323,7 +324,7 @@ def test_batchnorm_train(name, cls, shape, kw):
         torch.testing.assert_close(ym, yr, rtol=0, atol=1e-6)
         g = torch.randn_like(yr)
         gr = grads_of(yr, [xr] + params_ref, g)
-        gm = grads_of(ym, [xm] + params_mine, g)
+        gm = grads_of(ym, [xm] + params_mine, g.clone())
         assert_close_all(gm, gr, rtol=1e-4, atol=1e-5)
         for k, v in ref.state_dict().items():
             assert torch.equal(mine.state_dict()[k], v), k
@@ -388,7 +389,8 @@ def test_functional_batchnorm_recompute():
     assert torch.equal(y, y2) and torch.equal(rm, rm1) and torch.equal(rv, rv1)
 
 
-def test_batchnorm_output_activated_gradcheck():
+@pytest.mark.parametrize("function", ["BatchNormOutputActivated", "BatchNormInplaceGrad"])
+def test_batchnorm_custom_gradcheck(function):
     bn = nn.BatchNorm2d(3).double()
     with torch.no_grad():
         bn.weight.copy_(torch.tensor([0.7, -1.3, 2.0]))
@@ -399,9 +401,9 @@ def test_batchnorm_output_activated_gradcheck():
     b = bn.bias
 
     def f(x, w, b):
-        from monet_opt.ops.norm import BatchNormOutputActivated
+        from monet_opt.ops import norm
 
-        return BatchNormOutputActivated.apply(x, w, b, None, None, 0.1, 1e-5)
+        return getattr(norm, function).apply(x, w, b, None, None, 0.1, 1e-5)
 
     assert torch.autograd.gradcheck(f, (x, w, b))
     assert run(impl, bn, (x,)).dtype == torch.float64
@@ -418,7 +420,7 @@ def test_batchnorm_output_activated_zero_weight_channel():
     ym = run(impls("call_module", mine)["output_activated"], mine, (xm,))
     g = torch.randn_like(yr)
     assert_close_all(
-        grads_of(ym, [xm, mine.weight, mine.bias], g),
+        grads_of(ym, [xm, mine.weight, mine.bias], g.clone()),
         grads_of(yr, [xr, ref.weight, ref.bias], g),
         rtol=1e-4,
         atol=1e-5,
@@ -777,3 +779,67 @@ def test_batchnorm_recompute_then_backward(name):
     assert_close_all(g2, g1, rtol=0, atol=0)
     for k, v in mine.state_dict().items():
         assert torch.equal(v, state[k]), k
+
+
+# ----------------------------------------------------------------------------- in-place gradients
+
+INPLACE_GRAD_CASES = [
+    (nn.ReLU(), "bitmask"),
+    (nn.ReLU(), "inplace_grad"),
+    (nn.ReLU6(), "bitmask"),
+    (nn.BatchNorm2d(8), "output_activated"),
+    (nn.BatchNorm2d(8), "inplace_grad"),
+]
+
+
+@pytest.mark.parametrize(
+    "target,name", INPLACE_GRAD_CASES, ids=[f"{type(t).__name__}-{n}" for t, n in INPLACE_GRAD_CASES]
+)
+def test_inplace_grad_writes_into_the_output_gradient(target, name):
+    """The input gradient is the very buffer the output gradient came in (no new allocation),
+    with the same values as the default implementation's."""
+    impl = impls("call_module", target)[name]
+    assert impl.grad_in_place
+    x0 = torch.randn(16, 8, 6, 6) * 2 + 0.3
+    g = torch.randn(16, 8, 6, 6)
+    xd = x0.clone().requires_grad_()
+    (expected,) = grads_of(run(impls("call_module", target)["default"], target, (xd,)), [xd], g.clone())
+    xi = x0.clone().requires_grad_()
+    fed = g.clone()
+    (got,) = torch.autograd.grad(run(impl, target, (xi,)), [xi], fed)
+    assert got.data_ptr() == fed.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _backward_peak(impl, target, x0, g0):
+    """Peak bytes allocated by one backward (profiler memory events), above what lived before it."""
+    x = x0.clone().requires_grad_()
+    y = run(impl, target, (x,))
+    g = g0.clone()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        torch.autograd.grad(y, [x], g)
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda ev: ev.start_ns(),
+    )
+    cur = top = 0
+    for ev in events:
+        cur += ev.nbytes()
+        top = max(top, cur)
+    return top
+
+
+@pytest.mark.parametrize("target", [nn.ReLU(), nn.BatchNorm2d(16)], ids=["relu", "batchnorm"])
+def test_inplace_grad_backward_allocates_a_fraction_of_the_default(target):
+    x0 = torch.randn(16, 16, 32, 32)
+    g0 = torch.randn_like(x0)
+    act = x0.numel() * 4
+    found = impls("call_module", target)
+    default = _backward_peak(found["default"], target, x0, g0)
+    assert default >= act  # at least the new input gradient
+    for name, impl in found.items():
+        if impl.grad_in_place:
+            peak = _backward_peak(impl, target, x0, g0)
+            assert peak <= act // 4, f"{name}: {peak} bytes vs an activation of {act}"

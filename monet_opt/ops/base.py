@@ -19,9 +19,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Implementation:
+    """grad_in_place: the backward writes the gradient of the op's first tensor argument
+    into the incoming gradient of its output (same shape and dtype) instead of a new
+    buffer. The runtime then hands it a gradient buffer nobody else holds."""
+
     name: str
     run: Callable[[Any, tuple, dict, bool], Any]
     description: str = ""
+    grad_in_place: bool = False
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

@@ -10,6 +10,15 @@
   channels only, x_hat is saved as well (a per-forward check, which syncs on CUDA).
   Precision: the reconstruction loses ~|bias/weight| ulps relative to torch's backward; for
   half/bfloat16 activations the backward is computed in the parameters' dtype.
+  Its gradient is computed in place (see below).
+- "inplace_grad" (training only): keeps the input like torch, and computes the input gradient
+  into the incoming output gradient.
+
+In-place gradient (`grad_in_place`, both custom forms): torch's batch-norm backward allocates the
+input gradient and, on CPU, a same-size temporary. These forms instead take the per-channel sums
+(sum(g), sum(g * x_hat)) with torch's own kernel, then rewrite g chunk by chunk (along the batch)
+as (g - mean(g) - x_hat * mean(g * x_hat)) * invstd * weight: the only temporaries are one chunk
+of x_hat (1/8 of the activation) and per-channel vectors.
 """
 
 from __future__ import annotations
@@ -31,20 +40,103 @@ def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+_CHUNKS = 8
+
+
+def _chunk_slices(t: torch.Tensor) -> list[tuple]:
+    """Index tuples splitting t into about _CHUNKS pieces along the batch (or, for a small
+    batch, a spatial dimension)."""
+    dim = 0 if t.size(0) >= _CHUNKS or t.dim() < 3 else 2
+    size = t.size(dim)
+    step = max(1, -(-size // _CHUNKS))
+    return [(slice(None),) * dim + (slice(i, i + step),) for i in range(0, size, step)]
+
+
+def _bn_backward_in_place(g: torch.Tensor, xhat_of, scale: torch.Tensor, need_x: bool):
+    """Training-mode batch-norm backward writing the input gradient into g.
+
+    xhat_of(index) returns a fresh x_hat chunk (the statistics' dtype) for g[index].
+    Returns (sum(g * x_hat), sum(g)) per channel, i.e. grad_weight / grad_bias."""
+    c = scale.numel()
+    stat = scale.dtype
+    zeros = torch.zeros(c, dtype=stat, device=g.device)
+    ones = torch.ones(c, dtype=stat, device=g.device)
+    dot = torch.zeros(c, dtype=stat, device=g.device)
+    gsum = torch.zeros(c, dtype=stat, device=g.device)
+    pieces = _chunk_slices(g)
+    for index in pieces:
+        # torch's kernel at mean 0, invstd 1 on x_hat: grad_weight = sum(g x_hat), grad_bias = sum(g)
+        _, d, b = torch.ops.aten.native_batch_norm_backward(
+            g[index].to(stat), xhat_of(index), None, None, None, zeros, ones, True, 0.0, [False, True, True]
+        )
+        dot += d
+        gsum += b
+    if need_x:
+        count = g.numel() // c
+        nd = g.dim()
+        mean_gx = _channel_view(dot / count, nd)
+        mean_g = _channel_view(gsum / count, nd)
+        w = _channel_view(scale, nd)
+        for index in pieces:
+            xh = xhat_of(index).mul_(mean_gx).add_(mean_g)
+            gi = g[index]
+            if gi.dtype == stat:
+                gi.sub_(xh).mul_(w)
+            else:
+                gi.copy_(gi.to(stat).sub_(xh).mul_(w))
+            del xh, gi  # one chunk of temporaries at a time
+    return dot, gsum
+
+
+def _bn_forward(x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+    if running_mean is not None:
+        y, mean, invstd, _reserve = torch.ops.aten._batch_norm_with_update(
+            x, weight, bias, running_mean, running_var, momentum, eps
+        )
+    else:
+        y, mean, invstd = torch.ops.aten.native_batch_norm(x, weight, bias, None, None, True, momentum, eps)
+    return y, mean, invstd
+
+
+def _param_grads(ctx, dot, gsum, weight, bias):
+    grad_w = dot.to(weight.dtype) if ctx.has_weight and ctx.needs_input_grad[1] else None
+    grad_b = gsum.to(bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_w, grad_b
+
+
+class BatchNormInplaceGrad(torch.autograd.Function):
+    """Batch norm (training) keeping its input; backward writes the input gradient into g."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+        y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        ctx.has_weight = weight is not None
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, mean, invstd, weight, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight, bias = ctx.saved_tensors
+        nd = x.dim()
+        stat = invstd.dtype
+        m, s = _channel_view(mean, nd), _channel_view(invstd, nd)
+
+        def xhat_of(index):
+            return x[index].to(stat).sub(m).mul_(s)
+
+        scale = invstd if weight is None else invstd * weight.to(stat)
+        dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
+        grad_x = g if ctx.needs_input_grad[0] else None
+        return (grad_x, *_param_grads(ctx, dot, gsum, weight, bias), None, None, None, None)
+
+
 class BatchNormOutputActivated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
-        if running_mean is not None:
-            y, _mean, invstd, _reserve = torch.ops.aten._batch_norm_with_update(
-                x, weight, bias, running_mean, running_var, momentum, eps
-            )
-        else:
-            y, _mean, invstd = torch.ops.aten.native_batch_norm(
-                x, weight, bias, None, None, True, momentum, eps
-            )
+        y, _mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         ctx.has_weight = weight is not None
         ctx.has_bias = bias is not None
-        ctx.x_dtype = x.dtype
         zero_idx = None
         xhat_zero = None
         if weight is not None:
@@ -68,40 +160,31 @@ class BatchNormOutputActivated(torch.autograd.Function):
         saved = ctx.saved_tensors
         y, invstd, weight, bias = saved[:4]
         nd = y.dim()
+        stat = invstd.dtype
         # x_hat = (y - bias) / weight, channels with weight == 0 taken from the saved copy.
         if weight is not None:
             w = torch.where(weight == 0, torch.ones_like(weight), weight) if ctx.zero else weight
-            xh = (
-                y - _channel_view(bias, nd)
-                if bias is not None
-                else y.to(torch.promote_types(y.dtype, w.dtype), copy=True)
-            )
-            xh.div_(_channel_view(w, nd))
-            if ctx.zero:
-                zero_idx, xhat_zero = saved[4], saved[5]
-                xh.index_copy_(1, zero_idx, xhat_zero.to(xh.dtype))
-        else:
-            xh = y - _channel_view(bias, nd) if bias is not None else y
+            w = _channel_view(w.to(stat), nd)
+        b = _channel_view(bias.to(stat), nd) if bias is not None else None
+        zero_idx, xhat_zero = (saved[4], saved[5]) if ctx.zero else (None, None)
+
+        def xhat_of(index):
+            xh = y[index].to(stat, copy=True)
+            if b is not None:
+                xh.sub_(b)
+            if weight is not None:
+                xh.div_(w)
+            if zero_idx is not None:
+                xh.index_copy_(1, zero_idx, xhat_zero[index].to(stat))
+            return xh
+
         # torch's training-mode batch-norm backward evaluated at input x_hat with mean 0 and invstd 1
         # computes dx = (g - mean(g) - x_hat * mean(g * x_hat)) * w', dw = sum(g * x_hat), db = sum(g);
         # with w' = weight * invstd this is exactly the gradient of the original batch norm.
-        scale = invstd if weight is None else invstd * weight
-        c = scale.numel()
-        mask = [
-            ctx.needs_input_grad[0],
-            ctx.has_weight and ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2],
-        ]
-        stat_dtype = invstd.dtype
-        zeros = torch.zeros(c, dtype=stat_dtype, device=y.device)
-        ones = torch.ones(c, dtype=stat_dtype, device=y.device)
-        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            g.to(xh.dtype), xh, scale.to(xh.dtype), None, None, zeros, ones, True, 0.0, mask
-        )
-        grad_x = gx.to(ctx.x_dtype) if gx is not None else None
-        grad_w = gw.to(weight.dtype) if mask[1] else None
-        grad_b = gb.to(bias.dtype) if mask[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        scale = invstd if weight is None else invstd * weight.to(stat)
+        dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
+        grad_x = g if ctx.needs_input_grad[0] else None
+        return (grad_x, *_param_grads(ctx, dot, gsum, weight, bias), None, None, None, None)
 
 
 def _module_bn_state(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
@@ -140,15 +223,22 @@ def _module_default(target, args, kwargs, recompute):
             setattr(target, name, buf)
 
 
-def _module_output_activated(target, args, kwargs, recompute):
-    x = first_tensor(args, kwargs)
-    if not target.training:
-        return target(x)
-    target._check_input_dim(x)
-    _, rm, rv, factor = _module_bn_state(target, recompute)
-    if recompute and rm is not None:
-        rm, rv = rm.clone(), rv.clone()
-    return BatchNormOutputActivated.apply(x, target.weight, target.bias, rm, rv, factor, target.eps)
+def _module_custom(function):
+    def run(target, args, kwargs, recompute):
+        x = first_tensor(args, kwargs)
+        if not target.training:
+            return target(x)
+        target._check_input_dim(x)
+        _, rm, rv, factor = _module_bn_state(target, recompute)
+        if recompute and rm is not None:
+            rm, rv = rm.clone(), rv.clone()
+        return function.apply(x, target.weight, target.bias, rm, rv, factor, target.eps)
+
+    return run
+
+
+_module_output_activated = _module_custom(BatchNormOutputActivated)
+_module_inplace_grad = _module_custom(BatchNormInplaceGrad)
 
 
 def _functional_default(target, args, kwargs, recompute):
@@ -188,7 +278,17 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                 Implementation(
                     "output_activated",
                     _module_output_activated,
-                    "batch norm whose backward keeps its output and per-channel invstd (x_hat rebuilt)",
+                    "batch norm whose backward keeps its output and per-channel invstd (x_hat rebuilt); "
+                    "gradient in place",
+                    grad_in_place=True,
+                )
+            )
+            impls.append(
+                Implementation(
+                    "inplace_grad",
+                    _module_inplace_grad,
+                    "batch norm keeping its input; backward writes the input gradient into the output's",
+                    grad_in_place=True,
                 )
             )
         return impls
@@ -200,6 +300,6 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
 
 
 IMPLEMENTATION_NAMES = {
-    "batch_norm (nn.BatchNorm1d/2d/3d, training)": ["default", "output_activated"],
+    "batch_norm (nn.BatchNorm1d/2d/3d, training)": ["default", "output_activated", "inplace_grad"],
     "batch_norm (eval, F.batch_norm), SyncBatchNorm, InstanceNorm": ["default"],
 }

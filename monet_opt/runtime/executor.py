@@ -10,7 +10,10 @@ The executor follows `solver.simulate`'s memory model step by step:
   does not hold the output's storage (only what the op itself saved);
 * `backward t` feeds t's gradient into its local graph: input gradients come back
   on the detached leaves and are added into the producers' gradients; parameter
-  gradients accumulate into `.grad` as in plain PyTorch.
+  gradients accumulate into `.grad` as in plain PyTorch. An implementation with an
+  in-place gradient (`grad_in_place`) overwrites the gradient it is fed, so it gets
+  a buffer nobody else holds: a model output's gradient (the engine holds it) or a
+  gradient shared with another slot is copied first, as the memory model says.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class _State:
     box: _GradBox
     grad_positions: list[int]  # flat output positions that require grad
     leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
+    in_place: bool = False  # the backward overwrites the gradient it is fed
 
 
 @dataclass
@@ -241,7 +245,7 @@ class ScheduleExecutor:
                 box = _GradBox()
                 with torch.enable_grad():
                     root = _Root.apply(box, *[flat[i] for i in positions])
-                run.states[name] = _State(root, box, positions, leaves)
+                run.states[name] = _State(root, box, positions, leaves, impl.grad_in_place)
         run.flat_len[name] = len(flat)
         run.env[name] = tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
@@ -254,8 +258,12 @@ class ScheduleExecutor:
             return
         if grads is None or all(grads[p] is None for p in state.grad_positions):
             return
-        state.box.grads = [grads[p] for p in state.grad_positions]
+        fed = [grads[p] for p in state.grad_positions]
         del grads
+        if state.in_place:
+            fed = [g if g is None or self._owned(run, name, g) else g.clone() for g in fed]
+        state.box.grads = fed
+        del fed
         params = self.plans[name].params
         # autograd.grad, not backward: parameter gradients come back to us and leave through
         # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
@@ -286,18 +294,30 @@ class ScheduleExecutor:
                 run.grads[source] = slots
             slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g)
 
+    @staticmethod
+    def _holders(run: _StepRun, t: torch.Tensor) -> int:
+        """How many gradient slots of this step hold t's storage."""
+        key = t.untyped_storage().data_ptr()
+        held = [*(g for slots in run.grads.values() for g in slots), *run.input_grads.values()]
+        held += list(run.param_grads.values())
+        return sum(1 for g in held if g is not None and g.untyped_storage().data_ptr() == key)
+
+    def _owned(self, run: _StepRun, name: str, g: torch.Tensor) -> bool:
+        """g (name's gradient, already taken out of its slot) may be overwritten: no other slot
+        holds its storage, it is dense, and it is not a model output's (the engine holds those)."""
+        if any(src == name for src, _ in run.output_map):
+            return False
+        if g.untyped_storage().nbytes() != g.numel() * g.element_size():
+            return False
+        return self._holders(run, g) == 0
+
     def _add(self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """prev + g, in place unless prev's storage is shared (autograd may hand the same
         gradient tensor to several leaves, or steal it into a parameter's .grad)."""
-        key = prev.untyped_storage().data_ptr()
-        holders = sum(
-            1
-            for slots in run.grads.values()
-            for t in slots
-            if t is not None and t.untyped_storage().data_ptr() == key
+        shared = (
+            self._holders(run, prev) > 1
+            or g.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
         )
-        holders += sum(1 for t in run.input_grads.values() if t.untyped_storage().data_ptr() == key)
-        shared = holders > 1 or g.untyped_storage().data_ptr() == key
         return prev + g if shared else prev.add_(g)
 
     # -- whole step ----------------------------------------------------------------
