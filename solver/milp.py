@@ -813,7 +813,9 @@ def solve(
         warm_plan = start_plan
     if warm_plan is None and deadline - time.perf_counter() > 2.0:
         # no baseline fits: lower the peak with the MILP until a plan fits, and start from it
-        t_peak = time.perf_counter() + 0.4 * (deadline - time.perf_counter())
+        # it stops at the first plan under the budget, so a generous share costs nothing when one
+        # comes early; without one there is no schedule at all
+        t_peak = time.perf_counter() + 0.75 * (deadline - time.perf_counter())
         low = _ladder(
             problem, an, None, window, _lowest_plan(problem), t_peak, mip_gap, threads, verbose, budget_bytes
         )
