@@ -650,6 +650,23 @@ def test_attention_math_keeps_matrix_chunked_does_not():
     assert c < m / 4
 
 
+def _allocation_peak(fn) -> int:
+    """Peak bytes allocated while fn runs, above what lived before (profiler memory events)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda ev: ev.start_ns(),
+    )
+    cur = top = 0
+    for ev in events:
+        cur += ev.nbytes()
+        top = max(top, cur)
+    return top
+
+
 def test_attention_chunked_backward_peak_lower_than_math():
     """Peak allocation during forward+backward (profiler memory events) is lower with chunking."""
     b, h, L, e = 1, 4, 512, 16
@@ -658,21 +675,12 @@ def test_attention_chunked_backward_peak_lower_than_math():
 
     def peak(impl):
         ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        ) as prof:
+
+        def step():
             y = run(impl, SDPA, ins)
             y.backward(torch.ones_like(y))
-            del y
-        events = sorted(
-            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-            key=lambda ev: ev.start_ns(),
-        )
-        cur = top = 0
-        for ev in events:
-            cur += ev.nbytes()
-            top = max(top, cur)
-        return top
+
+        return _allocation_peak(step)
 
     attn = b * h * L * L * 4
     pm, pc = peak(found["math"]), peak(found["query_chunked"])
@@ -816,19 +824,7 @@ def _backward_peak(impl, target, x0, g0):
     x = x0.clone().requires_grad_()
     y = run(impl, target, (x,))
     g = g0.clone()
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        torch.autograd.grad(y, [x], g)
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda ev: ev.start_ns(),
-    )
-    cur = top = 0
-    for ev in events:
-        cur += ev.nbytes()
-        top = max(top, cur)
-    return top
+    return _allocation_peak(lambda: torch.autograd.grad(y, [x], g))
 
 
 @pytest.mark.parametrize("target", [nn.ReLU(), nn.BatchNorm2d(16)], ids=["relu", "batchnorm"])
