@@ -534,11 +534,15 @@ def test_conv_implementations_match(cfg, batch):
     found = impls("call_module", conv)
     chunkable = cfg.get("padding_mode", "zeros") == "zeros" and not isinstance(cfg.get("padding"), str)
     assert ("chunked" in found) == (chunkable and torch.cuda.is_available())
+    assert ("chunked_backward" in found) == chunkable  # (batch 1 runs F.conv2d itself)
     for impl in [*found.values(), *([CONV_CHUNKED] if chunkable else [])]:
         xi = x0.clone().requires_grad_()
         y = run(impl, conv, (xi,))
         torch.testing.assert_close(y, ref, rtol=RTOL, atol=ATOL)
-        assert_close_all(grads_of(y, [xi] + params, g), ref_g, rtol=RTOL, atol=1e-5)
+        got = grads_of(y, [xi] + params, g)
+        assert_close_all(got, ref_g, rtol=RTOL, atol=1e-5)
+        if impl.name == "chunked_backward":
+            assert torch.equal(y, ref)  # the forward is torch's own
 
 
 def test_conv_functional_and_channels_last():
@@ -557,6 +561,35 @@ def test_conv_chunked_gradcheck():
     w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w, b: conv2d_chunked(x, w, b, 2, 1), (x, w, b))
+
+
+def test_conv_chunked_backward_gradcheck_and_smaller_backward_peak():
+    from monet_opt.ops.conv import Conv2dChunkedBackward
+
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    f = lambda x, w, b: Conv2dChunkedBackward.apply(x, w, b, (1, 1), (1, 1), (1, 1), 1, 2)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    # ResNet-50's layer1 conv3 at batch 8, 224x224: oneDNN's backward workspace copies the whole
+    # output gradient (small shapes have none, and there chunking costs a little instead)
+    conv = nn.Conv2d(64, 256, 1, bias=False)
+    found = impls("call_module", conv)
+    x0 = torch.randn(8, 64, 56, 56)
+    g0 = torch.randn(8, 256, 56, 56)
+
+    def peak(name):
+        x = x0.clone().requires_grad_()
+        y = run(found[name], conv, (x,))
+        return _allocation_peak(lambda: torch.autograd.grad(y, [x, conv.weight], g0))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the workspace is oneDNN's multi-threaded one (CI has 2 cores)
+    try:
+        peaks = {n: peak(n) for n in ("default", "chunked_backward")}
+    finally:
+        torch.set_num_threads(threads)
+    assert peaks["chunked_backward"] < peaks["default"] - g0.numel() * 4 // 2, peaks
 
 
 def test_conv_chunked_keeps_same_tensors():
