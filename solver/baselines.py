@@ -390,8 +390,12 @@ def all_baselines(
 
 
 def _state_cost(an: Analysis, i: int, m: int) -> tuple:
+    """Memory an implementation adds: what its backward keeps, plus the larger of its forward
+    transient and its backward transient (workspace less any gradient written in place)."""
     im = an.impls[i][m]
-    return (im.state_bytes + sum(an.a[b] for b in an.kept_bases[i][m]) + im.fwd_workspace, im.fwd_time)
+    kept = im.state_bytes + sum(an.a[b] for b in an.kept_bases[i][m])
+    transient = max(im.fwd_workspace, im.bwd_workspace - an.grad_saving(i, m))
+    return (kept + transient, im.fwd_time + im.bwd_time)
 
 
 def best_baseline(problem: Problem, budget: int, greedy_time: float = 10.0) -> Schedule | None:

@@ -12,7 +12,11 @@ Every other entry computes the same value with a backward that keeps something d
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from typing import Any
+
+import torch
 
 from . import activation, attention, conv, elementwise, linear, norm, pool
 from .base import DEFAULT, Implementation, call_target
@@ -51,11 +55,25 @@ def family_of(op: str, target: Any) -> str | None:
     return None
 
 
+# Ops whose backward hands the incoming gradient itself to the first argument (add: to both,
+# sub: -grad to the second): that argument's gradient needs no new buffer (`grad_in_place`).
+_PASS_THROUGH_FUNCTIONS = (operator.add, operator.iadd, operator.sub, operator.isub, torch.add, torch.sub)
+_PASS_THROUGH_METHODS = ("add", "add_", "sub", "sub_")
+
+
+def _passes_gradient(op: str, target: Any) -> bool:
+    if op == "call_method":
+        return target in _PASS_THROUGH_METHODS
+    return op == "call_function" and any(target is f for f in _PASS_THROUGH_FUNCTIONS)
+
+
 def implementations_for(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
     """Implementations for one fx node; the first is always named "default"."""
     family = family_of(op, target)
     if family is None:
         impls = [out_of_place_default(op, target)]
+        if _passes_gradient(op, target):
+            impls = [dataclasses.replace(impls[0], grad_in_place=True)]
     else:
         impls = FAMILIES[family].implementations(op, target, example_args, example_kwargs)
     assert impls and impls[0].name == "default", (op, target, impls)

@@ -19,9 +19,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Implementation:
-    """grad_in_place: the backward writes the gradient of the op's first tensor argument
-    into the incoming gradient of its output (same shape and dtype) instead of a new
-    buffer. The runtime then hands it a gradient buffer nobody else holds."""
+    """grad_in_place: the gradient of the op's first tensor argument is the buffer of the
+    incoming gradient of its output (same shape and dtype), written in place (ReLU, batch
+    norm) or passed through (add, sub), instead of a new buffer. The runtime then hands
+    the backward a gradient buffer nobody else holds."""
 
     name: str
     run: Callable[[Any, tuple, dict, bool], Any]
