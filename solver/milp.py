@@ -145,7 +145,10 @@ class Formulation:
         self.an = an
         self.budget = None if budget is None else int(budget)  # None: minimise the peak instead
         self.window = window
-        self.highs_options: dict = {}
+        # peak mode: the incumbent is what matters (its dual bound is no real bound anyway); on
+        # ResNet-50 b8 224, window 12, heuristic effort 0.7 reached 0.373 of plain in 90 s where
+        # HiGHS' default (0.05) stalled at 0.380 for 320 s
+        self.highs_options: dict = {"mip_heuristic_effort": 0.7} if budget is None else {}
         self.stop_at_objective: float | None = None  # peak mode: stop once a plan's peak (MiB) is <= this
         self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
