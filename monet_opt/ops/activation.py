@@ -23,6 +23,9 @@ from .common import first_tensor, out_of_place_default, pack_bits, unpack_bits
 # ------------------------------------------------------------------ autograd functions
 
 
+_MIN_CHUNK = 4096  # elements per unpacked piece below which the mask is unpacked whole
+
+
 def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, numel: int, shape) -> torch.Tensor:
     """grad where the packed mask is set, else 0, written into `grad` itself (the runtime hands
     this backward a gradient nobody else holds). Like torch's relu backward, inf/NaN gradients at
@@ -38,9 +41,6 @@ def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, numel: int, shape) ->
         return grad
     off = unpack_bits(packed, numel, shape).logical_not_()
     return grad.masked_fill_(off, 0)
-
-
-_MIN_CHUNK = 4096
 
 
 class ReLUInplaceGrad(torch.autograd.Function):

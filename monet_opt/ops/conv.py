@@ -200,22 +200,30 @@ def _make_chunked(chunks: int):
 _BACKWARD_CHUNKS = 8
 
 
+def _plain_conv(p: dict) -> torch.Tensor:
+    return F.conv2d(p["input"], p["weight"], p["bias"], p["stride"], p["padding"], p["dilation"], p["groups"])
+
+
+def _function_args(p: dict) -> tuple:
+    """(x, weight, bias, stride, padding, dilation, groups) as the custom Functions take them."""
+    return (
+        p["input"],
+        p["weight"],
+        p["bias"],
+        _pair(p["stride"]),
+        _pair(p["padding"]),
+        _pair(p["dilation"]),
+        p["groups"],
+    )
+
+
 def _make_chunked_backward(chunks: int):
     def run(target, args, kwargs, recompute):
         p = _conv_params(target, args, kwargs)
         x = p["input"]
         if x.dim() != 4 or isinstance(p["padding"], str) or x.size(0) < 2:
-            return F.conv2d(x, p["weight"], p["bias"], p["stride"], p["padding"], p["dilation"], p["groups"])
-        return Conv2dChunkedBackward.apply(
-            x,
-            p["weight"],
-            p["bias"],
-            _pair(p["stride"]),
-            _pair(p["padding"]),
-            _pair(p["dilation"]),
-            p["groups"],
-            chunks,
-        )
+            return _plain_conv(p)
+        return Conv2dChunkedBackward.apply(*_function_args(p), chunks)
 
     return run
 
@@ -223,20 +231,9 @@ def _make_chunked_backward(chunks: int):
 def _make_cudnn(benchmark: bool, deterministic: bool):
     def run(target, args, kwargs, recompute):
         p = _conv_params(target, args, kwargs)
-        x = p["input"]
-        if not x.is_cuda or isinstance(p["padding"], str):
-            return F.conv2d(x, p["weight"], p["bias"], p["stride"], p["padding"], p["dilation"], p["groups"])
-        return _CudnnFlags.apply(
-            x,
-            p["weight"],
-            p["bias"],
-            _pair(p["stride"]),
-            _pair(p["padding"]),
-            _pair(p["dilation"]),
-            p["groups"],
-            benchmark,
-            deterministic,
-        )
+        if not p["input"].is_cuda or isinstance(p["padding"], str):
+            return _plain_conv(p)
+        return _CudnnFlags.apply(*_function_args(p), benchmark, deterministic)
 
     return run
 

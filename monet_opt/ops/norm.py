@@ -88,7 +88,11 @@ def _bn_backward_in_place(g: torch.Tensor, xhat_of, scale: torch.Tensor, need_x:
     return dot, gsum
 
 
-def _bn_forward(x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+def _bn_forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
+    """Training-mode batch norm (updating the running statistics given); records on ctx which
+    affine parameters exist. Returns (y, mean, invstd)."""
+    ctx.has_weight = weight is not None
+    ctx.has_bias = bias is not None
     if running_mean is not None:
         y, mean, invstd, _reserve = torch.ops.aten._batch_norm_with_update(
             x, weight, bias, running_mean, running_var, momentum, eps
@@ -109,9 +113,7 @@ class BatchNormInplaceGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
-        y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        ctx.has_weight = weight is not None
-        ctx.has_bias = bias is not None
+        y, mean, invstd = _bn_forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps)
         ctx.save_for_backward(x, mean, invstd, weight, bias)
         return y
 
@@ -134,9 +136,7 @@ class BatchNormInplaceGrad(torch.autograd.Function):
 class BatchNormOutputActivated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum: float, eps: float):
-        y, _mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        ctx.has_weight = weight is not None
-        ctx.has_bias = bias is not None
+        y, _mean, invstd = _bn_forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps)
         zero_idx = None
         xhat_zero = None
         if weight is not None:
