@@ -14,9 +14,11 @@ value is kept (K); lazy recompute-once semantics fill in the backward stages.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
+from dataclasses import dataclass
 
 from solver.plan import Analysis, Plan, lazy_plan, to_schedule
 from solver.problem import Problem
@@ -50,9 +52,9 @@ def _impl_indices(an: Analysis, impls: dict[str, str] | list[int] | None) -> lis
     return list(impls)
 
 
-def policy_plan(problem: Problem, impl, F, K) -> Plan:
+def policy_plan(problem: Problem, impl, F, K, levels=(), split=()) -> Plan:
     an = analysis(problem)
-    return lazy_plan(an, _impl_indices(an, impl), set(F), set(K))
+    return lazy_plan(an, _impl_indices(an, impl), set(F), set(K), levels, frozenset(split))
 
 
 def policy_schedule(
@@ -63,18 +65,25 @@ def policy_schedule(
     strategy: str = "policy",
     budget_bytes: int | None = None,
     solver_name: str | None = None,
+    levels=(),
+    split=(),
 ) -> Schedule:
-    """Schedule of a policy: impl (list of impl indices or {node: impl name}), F and K (node indices)."""
+    """Schedule of a policy: impl (list of impl indices or {node: impl name}), F, K and the finer
+    checkpoint levels [K2, K3, ...] (node indices; see `lazy_plan`)."""
     an = analysis(problem)
     if F is None:
         F = {i for i in range(an.n) if an.rb[i]}
     impl = _impl_indices(an, impl)
-    plan = lazy_plan(an, impl, set(F), set(K))
+    plan = lazy_plan(an, impl, set(F), set(K), levels, frozenset(split))
     policy = {
         "impl": {an.names[i]: an.impls[i][m].name for i, m in enumerate(impl) if m != 0},
         "F": [an.names[i] for i in sorted(F)],
         "K": [an.names[i] for i in sorted(K)],
     }
+    if levels:
+        policy["levels"] = [[an.names[i] for i in sorted(lv)] for lv in levels]
+    if split:
+        policy["split"] = [an.names[i] for i in sorted(split)]
     return to_schedule(
         an, plan, strategy, SolverInfo(name=solver_name or strategy), budget_bytes, meta={"policy": policy}
     )
@@ -87,7 +96,9 @@ def plan_of(problem: Problem, schedule: Schedule) -> Plan | None:
         return None
     an = analysis(problem)
     impl = _impl_indices(an, pol.get("impl", {}))
-    return lazy_plan(an, impl, {an.idx[x] for x in pol["F"]}, {an.idx[x] for x in pol["K"]})
+    levels = [frozenset(an.idx[x] for x in lv) for lv in pol.get("levels", [])]
+    split = frozenset(an.idx[x] for x in pol.get("split", []))
+    return lazy_plan(an, impl, {an.idx[x] for x in pol["F"]}, {an.idx[x] for x in pol["K"]}, levels, split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +208,215 @@ def segment_sweep(problem: Problem, budget: int | None = None, time_limit: float
             ):
                 best = sch
     return best
+
+
+def _articulation_cuts(an: Analysis) -> list[int]:
+    """One cut per run of consecutive single-value crossings (the cheapest, then the latest)."""
+    cuts: list[int] = []
+    run: list[int] = []
+    for p, cross in boundaries(an) + [(an.n, frozenset())]:
+        if len(cross) == 1 and p not in an.user_held and p < an.n - 1:
+            run.append(p)
+        elif run:
+            cuts.append(min(run, key=lambda q: (_crossing_bytes(an, boundaries_at(an, q)), -q)))
+            run = []
+    return cuts
+
+
+def boundaries_at(an: Analysis, p: int) -> frozenset[int]:
+    return _boundary_map(an)[p]
+
+
+_BOUNDARIES: dict[int, tuple[Analysis, dict]] = {}
+
+
+def _boundary_map(an: Analysis) -> dict[int, frozenset[int]]:
+    hit = _BOUNDARIES.get(id(an))
+    if hit is None or hit[0] is not an:
+        if len(_BOUNDARIES) > 32:
+            _BOUNDARIES.clear()
+        hit = (an, dict(boundaries(an)))
+        _BOUNDARIES[id(an)] = hit
+    return hit[1]
+
+
+def _inner_cuts(an: Analysis, coarse: list[int]) -> list[int]:
+    """Cuts inside the articulation segments: the last position of each run of positions that
+    two values cross with equal bytes (in a residual block: after each conv-bn-relu)."""
+    cmap = _boundary_map(an)
+    out: list[int] = []
+    prev = None
+    for p in range(an.n - 1):
+        cross = cmap[p]
+        key = (len(cross), _crossing_bytes(an, cross)) if len(cross) == 2 else None
+        nxt = cmap[p + 1]
+        key_next = (len(nxt), _crossing_bytes(an, nxt)) if len(nxt) == 2 else None
+        if key is not None and key != key_next and p not in coarse:
+            out.append(p)
+        prev = key
+    del prev
+    return out
+
+
+def multilevel(problem: Problem, budget: int | None = None, time_limit: float = 5.0) -> Schedule | None:
+    """Recursive checkpointing (Chen et al. 2016, section 4.2) over articulation points.
+
+    The forward keeps every k-th articulation value (K); a K-segment is recomputed once
+    down to its articulation values (level 2), optionally its inner cuts (level 3); states
+    are made one articulation segment, or one node (`split`), at a time (`lazy_plan`).
+    Tries k, offsets, levels, split and two implementation profiles; without a budget
+    returns the smallest peak; with one, the fastest that fits (or None), then improves it
+    segment by segment (`_refine`) while time remains.
+    """
+    t0 = time.perf_counter()
+    an = analysis(problem)
+    coarse = _articulation_cuts(an)
+    if not coarse:
+        return None
+    cmap = _boundary_map(an)
+    inner = _inner_cuts(an, coarse)
+    fast = an.fastest_impls()
+    low = [min(range(len(ims)), key=lambda m, i=i: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)]
+    every = frozenset(range(an.n))
+    best: tuple | None = None  # (key, config, schedule)
+    starts: list[tuple] = []
+    ks = sorted({k for k in (1, 2, 3, 4, 6, len(coarse) + 1) if k <= len(coarse) + 1})
+    configs = [
+        (impl, k, off, fine, split)
+        for split in (True, False)
+        for impl in (low, fast)
+        for k in ks
+        for off in range(min(k, 3))
+        for fine in (False, True)
+    ]
+    for impl, k, off, fine, split in configs:
+        if time.perf_counter() - t0 > time_limit / 2:
+            break
+        top = {c for j, c in enumerate(coarse) if j % k == off}
+        config = _MultiLevel(
+            list(impl),
+            frozenset(),
+            frozenset(top),
+            frozenset(inner) if fine else frozenset(),
+            every if split else frozenset(),
+        )
+        sch = config.schedule(problem, an, coarse, cmap, budget)
+        if budget is None:
+            key = (sch.predicted_peak_bytes, sch.predicted_time_s)
+        elif sch.predicted_peak_bytes <= budget:
+            key = (sch.predicted_time_s,)
+        else:
+            continue
+        if best is None or key < best[0]:
+            best = (key, config, sch)
+        if budget is not None and sch.predicted_peak_bytes <= budget:
+            starts.append((key, len(starts), config, sch))
+    if best is None:
+        return None
+    if budget is None:
+        return best[2]
+    # local search from the fastest fitting policies in turn (each ends in a local optimum)
+    out = best[2]
+    distinct = {round(sch.predicted_time_s, 9): (key, n, config, sch) for key, n, config, sch in starts}
+    for _key, _n, config, sch in sorted(distinct.values())[:4]:
+        if time.perf_counter() > t0 + time_limit:
+            break
+        found = _refine(problem, an, coarse, cmap, inner, fast, low, budget, config, sch, t0 + time_limit)
+        if found.predicted_time_s < out.predicted_time_s:
+            out = found
+    return out
+
+
+@dataclass(frozen=True)
+class _MultiLevel:
+    """A `multilevel` policy: implementations, forward-kept states F, the articulation cuts
+    whose values the forward keeps (top; the other articulation cuts are level 2), the inner
+    cuts of level 3, and the split nodes (ends of the finest segments)."""
+
+    impl: list[int]
+    F: frozenset[int]
+    top: frozenset[int]
+    fine: frozenset[int]
+    split: frozenset[int]
+
+    def schedule(self, problem, an, coarse, cmap, budget) -> Schedule:
+        K = {v for c in self.top for v in cmap[c]}
+        levels = [frozenset(v for c in coarse for v in cmap[c]) - K]
+        if self.fine:
+            levels.append(frozenset(v for c in self.fine for v in cmap[c]) - K - levels[0])
+        return policy_schedule(
+            problem,
+            self.impl,
+            set(self.F),
+            K,
+            strategy="multilevel",
+            budget_bytes=budget,
+            levels=levels,
+            split=self.split,
+        )
+
+
+def _refine(problem, an, coarse, cmap, inner, fast, low, budget, config, sched, deadline) -> Schedule:
+    """First-improvement local search on a fitting multilevel policy: per articulation segment,
+    keep its states from the forward, drop or add its split and inner cuts, use the fast or the
+    low-memory implementations; per articulation cut, keep it in the forward or not; per node,
+    keep its state from the forward, merge its finest segment with the next, use its fastest
+    implementation."""
+    bounds = [-1] + list(coarse) + [an.n - 1]
+    segments = [list(range(bounds[g] + 1, bounds[g + 1] + 1)) for g in range(len(bounds) - 1)]
+    inner_of = [[c for c in inner if seg[0] <= c <= seg[-1]] for seg in segments]
+    rb_of = [frozenset(i for i in seg if an.rb[i] and i not in an.user_held) for seg in segments]
+
+    def apply(cfg: _MultiLevel, mv: tuple) -> _MultiLevel | None:
+        kind, x = mv
+        if kind == "seg_F":
+            return None if rb_of[x] <= cfg.F else dataclasses.replace(cfg, F=cfg.F | rb_of[x])
+        if kind == "seg_split":
+            members = frozenset(segments[x])
+            split = cfg.split - members if cfg.split & members else cfg.split | members
+            return dataclasses.replace(cfg, split=split)
+        if kind == "seg_fine":
+            fin = frozenset(inner_of[x])
+            return dataclasses.replace(cfg, fine=cfg.fine - fin if fin <= cfg.fine else cfg.fine | fin)
+        if kind in ("seg_fast", "seg_low"):
+            prof = fast if kind == "seg_fast" else low
+            impl = list(cfg.impl)
+            for i in segments[x]:
+                impl[i] = prof[i]
+            return None if impl == cfg.impl else dataclasses.replace(cfg, impl=impl)
+        if kind == "top":
+            return dataclasses.replace(cfg, top=cfg.top ^ {x})
+        if kind == "node_F":
+            return None if x in cfg.F else dataclasses.replace(cfg, F=cfg.F | {x})
+        if kind == "node_merge":
+            return None if x not in cfg.split else dataclasses.replace(cfg, split=cfg.split - {x})
+        impl = list(cfg.impl)  # node_fast
+        impl[x] = fast[x]
+        return None if impl == cfg.impl else dataclasses.replace(cfg, impl=impl)
+
+    moves: list[tuple] = []
+    for g in range(len(segments)):
+        moves += [("seg_F", g), ("seg_split", g), ("seg_fast", g), ("seg_low", g)]
+        if inner_of[g]:
+            moves.append(("seg_fine", g))
+    moves += [("top", c) for c in coarse]
+    for i in range(an.n):
+        if an.rb[i] and i not in an.user_held:
+            moves.append(("node_F", i))
+        moves += [("node_merge", i), ("node_fast", i)]
+    # first improvement, cycling through the moves from the last one taken until a whole
+    # cycle improves nothing
+    k = since = 0
+    while since < len(moves) and time.perf_counter() < deadline:
+        cand = apply(config, moves[k])
+        k = (k + 1) % len(moves)
+        since += 1
+        if cand is None:
+            continue
+        s2 = cand.schedule(problem, an, coarse, cmap, budget)
+        if s2.predicted_peak_bytes <= budget and s2.predicted_time_s < sched.predicted_time_s - 1e-9:
+            config, sched, since = cand, s2, 0
+    return sched
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +602,9 @@ def all_baselines(
     sweep = segment_sweep(problem, budget)
     if sweep is not None:
         out["segment_sweep"] = sweep
+    deep = multilevel(problem, budget, time_limit=greedy_time)
+    if deep is not None:
+        out["multilevel"] = deep
     if budget is not None:
         g = greedy(problem, budget, time_limit=greedy_time)
         if g is not None:
@@ -429,6 +652,7 @@ __all__ = [
     "greedy",
     "best_baseline",
     "segment_sweep",
+    "multilevel",
     "policy_schedule",
     "min_known_peak",
     "lowest_peak_baseline",

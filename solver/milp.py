@@ -12,7 +12,8 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   A[s,i,m]  i's state (made with impl m) is held when stage s starts (s >= 1)
   R[s,i,m]  i is recomputed with impl m in stage s, before the backward of t_s
             (i an ancestor of t_s or t_s itself; never a storage the user holds)
-  W[s]      transient bytes of stage s (max of workspaces / backward transient)
+  P[s,j,k]  (continuous) value j, recomputed in stage s, is still live from its k-th
+            consumer step on (a later consumer is recomputed in s, or it is carried)
 
   backward needs a state      sum_m A[s,t,m] + R[s,t,m] = 1
   recompute needs its inputs  R[s,i] <= S[s,j] + R[s,j]          (j input of i)
@@ -20,8 +21,11 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   no second copy              S[s,i] + R[s,i] <= 1               (i owns a storage)
   storages held by states     A[s,c,m] <= S[s,b]                 (b kept by impl m of c)
   views hold their base       S[s,v] <= S[s,base(v)]
-  stage memory                C_s + sum_b a_b (S[s,b] + R[s,b]) + sum st_im (A + R) + W[s] <= budget
-  transients                  W[s] >= backward transient of t_s;  W[s] >= fwd_workspace of each R
+  recompute step i of stage s C_s + sum_b a_b S[s,b] + sum st A + sum_{j<=i} st_j R[s,j]
+                              + sum_{j<i} a_j P[s,j,k(i)] + (a_i + fwd_workspace_i) R[s,i] <= budget
+                              (one row per step: a multi-level plan recomputes long chains in one
+                              stage, and each value is counted only while it is live)
+  backward of t_s             carried storages and states + t's state + backward transient <= budget
   forward memory (step i)     fixed + storages live at step i (needed later in the forward, or
                               kept: a_b S[0,b]) + a_i + private bytes of F states so far
                               + workspace of i <= budget
@@ -213,11 +217,6 @@ class Formulation:
         nimp = [len(im) for im in an.impls]
         user = an.user_held
         user_bases = set(an.user_bases)
-        # consumers c of j with some non-consumer node between j and c: j stays live across other steps
-        nonadj: list[list[int]] = []
-        for j in range(n):
-            cons = set(an.consumers[j])
-            nonadj.append([c for c in an.consumers[j] if any(k not in cons for k in range(j + 1, c))])
         has_view = [False] * n
         for v in range(n):
             if an.is_view[v]:
@@ -272,9 +271,7 @@ class Formulation:
                     for m in range(nimp[i])
                 ]
             self.R.append(Rs)
-        self.W: list[int | None] = [None] * T  # recompute workspace per stage
         self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
-        self.aux_w: list[tuple[int, list[int], list[float]]] = []  # v >= sum coef * x[cols]
 
         # F <= k
         for i, cols in self.A[0].items():
@@ -327,73 +324,76 @@ class Formulation:
                     for m in range(nimp[i]):
                         cc = [ac2[m], ac[m]] + ([rc[m]] if rc else [])
                         md.row(cc, [1.0] + [-1.0] * (len(cc) - 1), -INF, 0.0)
-            # memory while recomputing (upper bound over every compute step of the stage):
-            # held at the start + states + recomputed values that persist (carried, or waiting
-            # for a non-adjacent consumer) + the largest (output + inputs + workspace) of a step
+            # memory while recomputing, one row per compute step i of the stage: held at the
+            # start + states + states recomputed so far + values recomputed earlier in the stage
+            # that are still live at i (a consumer >= i recomputed here, carried, or viewed) +
+            # step i's output, workspace and view inputs
             md.tag = ("mem_rec", s, t)
             if Rs or s == 0:
-                cols, coefs = [], []
+                base_cols, base_coefs = [], []
                 for i in range(t + 1):
                     if not an.is_view[i] and i not in user_bases and an.a[i]:
-                        cols.append(Ss[i])
-                        coefs.append(an.a[i])
+                        base_cols.append(Ss[i])
+                        base_coefs.append(an.a[i])
+                _add_state_terms(an, As, base_cols, base_coefs)
+                if not Rs:
+                    self._mem_row(base_cols, base_coefs, an.stage_const[s])
                 S2n = self.S[s + 1] if s + 1 < T else {}
-                pvar: dict[int, int] = {}
+                # live[j]: (step from which the column applies, column) pairs, latest first
+                live: dict[int, list[tuple[int, int]]] = {}
                 for j, rj in Rs.items():
                     if an.is_view[j] or j in user_bases or not an.a[j]:
                         continue
-                    groups = []
-                    if j in S2n:
-                        groups.append(([S2n[j]] + rj, -1.0))
-                    for c in nonadj[j]:
-                        if c in Rs:
-                            groups.append((rj + Rs[c], -1.0))
-                    if has_view[j]:
-                        groups.append((rj, 0.0))
-                    if not groups:
-                        continue
-                    pv = md.var(integer=False)
-                    pvar[j] = pv
-                    for gc, const in groups:
-                        md.row([pv] + gc, [1.0] + [-1.0] * len(gc), const, INF)
-                    self.aux.append((pv, [(gc, const) for gc, const in groups]))
-                    cols.append(pv)
-                    coefs.append(an.a[j])
-                _add_state_terms(an, As, cols, coefs)
+                    later = sorted(c for c in an.consumers[j] if c in Rs)
+                    tail = [(S2n[j], 0)] if j in S2n else []
+                    steps = [j + 1] + [c + 1 for c in later]  # from step steps[k], consumers later[k:]
+                    cols_j: list[tuple[int, int]] = []
+                    for k, start in enumerate(steps):
+                        groups = [(rj + Rs[c], -1.0) for c in later[k:]]
+                        groups += [([sc] + rj, -1.0) for sc, _ in tail]
+                        if has_view[j]:
+                            groups.append((rj, 0.0))
+                        if not groups:
+                            break
+                        pv = md.var(integer=False)
+                        for gc, const in groups:
+                            md.row([pv] + gc, [1.0] + [-1.0] * len(gc), const, INF)
+                        self.aux.append((pv, [(gc, const) for gc, const in groups]))
+                        cols_j.append((start, pv))
+                    live[j] = cols_j
+                rec_states: list[tuple[int, int, float]] = []  # (node, col, state bytes)
                 for i, rc in Rs.items():
                     if an.rb[i]:
                         for m, c in enumerate(rc):
                             st = an.impls[i][m].state_bytes
                             if st:
-                                cols.append(c)
-                                coefs.append(st)
-                if Rs:
-                    v = md.var(integer=False, ub=INF)
-                    self.W[s] = v
-                    cols.append(v)
-                    coefs.append(1.0)
-                    for i, rc in Rs.items():
-                        # step i: its output and workspace, plus inputs recomputed here that do
-                        # not persist (persistent ones are counted above); held inputs are in S
-                        step = [float(an.a[i] + an.impls[i][m].fwd_workspace) for m in range(nimp[i])]
-                        vc, vf = [v] + rc, [1.0] + [-x for x in step]
-                        view_bytes = 0
-                        for j in an.uinputs[i]:
-                            if an.is_view[j]:
-                                b = an.base[j]
-                                if b not in user_bases:
-                                    view_bytes += an.a[b]
-                            elif j in Rs and an.a[j] and j not in user_bases:
-                                vc += Rs[j]
-                                vf += [-float(an.a[j])] * len(Rs[j])
-                                if j in pvar:
-                                    vc.append(pvar[j])
-                                    vf.append(float(an.a[j]))
-                        if view_bytes:
-                            vf = vf[:1] + [x - view_bytes for x in vf[1 : 1 + len(rc)]] + vf[1 + len(rc) :]
-                        md.row(vc, vf, 0.0, INF)
-                        self.aux_w.append((v, vc[1:], [-x for x in vf[1:]]))
-                self._mem_row(cols, coefs, an.stage_const[s])
+                                rec_states.append((i, c, float(st)))
+                for i, rc in Rs.items():
+                    cols, coefs = list(base_cols), list(base_coefs)
+                    for j2, c, st in rec_states:
+                        if j2 <= i:
+                            cols.append(c)
+                            coefs.append(st)
+                    for j, cols_j in live.items():
+                        if j >= i:
+                            continue
+                        col = None
+                        for start, pv in cols_j:
+                            if start <= i:
+                                col = pv
+                        if col is not None:
+                            cols.append(col)
+                            coefs.append(float(an.a[j]))
+                    view_bytes = 0
+                    for j in an.uinputs[i]:
+                        if an.is_view[j]:
+                            b2 = an.base[j]
+                            if b2 not in user_bases:
+                                view_bytes += an.a[b2]
+                    for m, c in enumerate(rc):
+                        cols.append(c)
+                        coefs.append(float(an.a[i] + an.impls[i][m].fwd_workspace + view_bytes))
+                    self._mem_row(cols, coefs, an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)
             cols, coefs = [], []
@@ -503,8 +503,6 @@ class Formulation:
         x = np.maximum(x, lb)
         for y, groups in self.aux:
             x[y] = max([0.0] + [sum(x[k] for k in cols) + const for cols, const in groups])
-        for v, cols, coefs in self.aux_w:
-            x[v] = max(x[v], sum(c * x[k] for c, k in zip(coefs, cols)))
         x = np.maximum(x, lb)
         if self.peak_col is not None:  # the smallest peak column the memory rows allow
             x[self.peak_col] = 0.0
@@ -819,8 +817,10 @@ def solve(
         # it stops at the first plan under the budget, so a generous share costs nothing when one
         # comes early; without one there is no schedule at all
         t_peak = time.perf_counter() + 0.75 * (deadline - time.perf_counter())
+        # a tight gap: it stops at the first plan under the budget anyway, and a 1 % gap on
+        # the peak can stop it just above the budget
         low = _ladder(
-            problem, an, None, window, _lowest_plan(problem), t_peak, mip_gap, threads, verbose, budget_bytes
+            problem, an, None, window, _lowest_plan(problem), t_peak, 0.001, threads, verbose, budget_bytes
         )
         if low.best is not None:
             low_peak = low.best[0].predicted_peak_bytes

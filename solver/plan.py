@@ -20,6 +20,7 @@ lazy recompute-once semantics (see its docstring).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from solver.problem import Problem, ProblemError
@@ -165,8 +166,15 @@ class PlanError(RuntimeError):
     """A plan is internally inconsistent (a bug in the strategy that made it)."""
 
 
-def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
-    """Lazy recompute-once policy.
+def lazy_plan(
+    an: Analysis,
+    impl: list[int],
+    F: set[int],
+    K: set[int],
+    levels: list[frozenset[int]] | tuple = (),
+    split: frozenset[int] | set[int] = frozenset(),
+) -> Plan:
+    """Lazy recompute-once policy, optionally multi-level.
 
     Forward: every node with implementation `impl[i]`, grad=True iff i in F.
     Handles kept from the forward: K plus storages held by kept states (those cost
@@ -177,6 +185,19 @@ def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
     no later recompute uses it (a base storage's handle is also kept while a state
     or a view holds the storage: that costs nothing and avoids a second copy).
     Outputs (held by the user) always keep their forward state.
+
+    Levels (Chen et al.'s recursive checkpointing): `levels` = [K2, K3, ...], value sets
+    from coarse to fine. The nodes of K and of levels[0..l] cut the topological order
+    into level-l segments (a cut node ends its segment). A recompute for stage t makes
+    states only for nodes in t's finest segment; other nodes are recomputed without
+    grad, and their handles are dropped when the stage ends, except a checkpoint of
+    level l that lies in t's level-(l-1) segment (kept until no later recompute uses
+    it) or a storage a live state holds. So the forward keeps only K, a K-segment is
+    recomputed once down to its K2 checkpoints, a K2-segment once down to its K3
+    checkpoints, and so on; only the finest segment holds states at a time.
+    `split` adds ends of finest segments that keep nothing (their values are recomputed
+    for each segment that needs them). With levels or a split, a node whose state costs
+    nothing (no private bytes, keeps no storage) always gets it when recomputed.
     """
     F = {i for i in F if an.rb[i]} | {i for i in an.user_held if an.rb[i]}
     avail = set(K) | set(an.user_held)
@@ -185,11 +206,28 @@ def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
         avail.update(an.kept_bases[i][impl[i]])
     states: dict[int, int] = {i: impl[i] for i in F}
     rec: list[list[tuple[int, int, bool]]] = [[] for _ in range(an.T)]
+    levels = [frozenset(x) for x in levels]
+    level_of: dict[int, int] = {}
+    for depth in range(len(levels) - 1, -1, -1):
+        level_of.update({v: depth for v in levels[depth]})
+    # cuts[d]: segment ends at depth d (K and levels[0..d-1]); cuts[len(levels)] is the finest
+    cuts = [sorted(set(K).union(*levels[:d])) for d in range(len(levels) + 1)]
+    cuts[-1] = sorted(set(cuts[-1]) | set(split))
+    layered = bool(levels or split)
+    free_state = [
+        [not im.state_bytes and not an.kept_bases[i][m] for m, im in enumerate(an.impls[i])]
+        for i in range(an.n)
+    ]
 
+    def segment(v: int, depth: int) -> int:
+        return bisect.bisect_left(cuts[depth], v)
+
+    finest = len(levels)
     for s, t in enumerate(an.bw):
         out = rec[s]
+        transient: set[int] = set()  # values made for this stage only
 
-        def ensure(i: int, force: bool = False, out=out) -> None:
+        def ensure(i: int, force: bool = False, out=out, transient=transient, t=t) -> None:
             if not force and i in avail:
                 return
             # explicit stack instead of recursion (deep chains)
@@ -209,17 +247,25 @@ def lazy_plan(an: Analysis, impl: list[int], F: set[int], K: set[int]) -> Plan:
                     if j not in avail and j not in seen:
                         stack.append((j, False))
             for v in sorted(order):
-                grad = an.rb[v] and v not in states
+                in_segment = not layered or segment(v, finest) == segment(t, finest)
+                grad = an.rb[v] and v not in states and (in_segment or free_state[v][impl[v]])
                 out.append((v, impl[v], grad))
                 avail.add(v)
                 if grad:
                     states[v] = impl[v]
+                if not in_segment:
+                    depth = level_of.get(v)
+                    if depth is None or segment(v, depth) != segment(t, depth):
+                        transient.add(v)
 
         if t not in states:
             if t in an.user_held:
                 raise PlanError(f"output {an.names[t]!r} has no forward state")
             ensure(t, force=True)
         del states[t]
+        if transient:
+            held = {b for i, m in states.items() for b in an.kept_bases[i][m]}
+            avail.difference_update(transient - held)
     return _finish_plan(an, impl, F, rec)
 
 
