@@ -31,6 +31,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length for token models (default 128)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-cache", action="store_true", help="profile again even if cached")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time every implementation inside real training steps too (slower to profile; "
+        "predicted step times closer to measured ones)",
+    )
 
 
 def _spec(args):
@@ -59,6 +65,7 @@ def _problem(args, quiet: bool = False):
         device=device,
         use_cache=not args.no_cache,
         progress=not quiet,
+        calibrate=getattr(args, "calibrate", False),
         meta={
             "model": spec.name,
             "batch": spec.batch,

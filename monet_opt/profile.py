@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MONET_OPT_CACHE", Path.home() / ".cache" / "monet-opt"))
 
 
+def cpu_load() -> float | None:
+    """The 1-minute load average per CPU core (None where the OS does not report it)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_load() -> float:
+    """Load per core above which the CPU counts as busy (`$MONET_OPT_BUSY_LOAD`, default 1.5:
+    the profiler alone loads a core or so per thread; a test suite or a second job on top
+    doubles that). Times measured busy are inflated: measured on this machine, a cache written
+    during a test run made MobileNetV2's schedules +10 to +30 % slower than predicted."""
+    try:
+        return float(os.environ.get("MONET_OPT_BUSY_LOAD", "1.5"))
+    except ValueError:
+        return 1.5
+
+
+def is_busy(load: float | None) -> bool:
+    return load is not None and load > busy_load()
+
+
 class ProfileCache:
-    """Measurements of (op signature, implementation) on one device, one JSON file."""
+    """Measurements of (op signature, implementation) on one device, one JSON file.
+
+    Each entry records the CPU load it was measured under (`load`, per core). An entry
+    measured while the CPU was busy is not trusted once the CPU is quiet again: `get`
+    misses and the node is measured anew (while the CPU stays busy it is served, flagged
+    by `busy_hits`)."""
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.device_key = device_fingerprint(device)
@@ -81,6 +110,7 @@ class ProfileCache:
         self.enabled = enabled
         self.entries: dict[str, dict] = {}
         self.dirty = False
+        self.busy_hits = 0
         if enabled and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
@@ -89,11 +119,17 @@ class ProfileCache:
             except (OSError, ValueError):
                 self.entries = {}  # a corrupt cache is rebuilt, never trusted
 
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key) if self.enabled else None
+    def get(self, key: str, load: float | None = None) -> dict | None:
+        """The entry for `key`, unless it was measured busy and the CPU (`load`) is quiet now."""
+        entry = self.entries.get(key) if self.enabled else None
+        if entry is not None and is_busy(entry.get("load")):
+            if not is_busy(load):
+                return None
+            self.busy_hits += 1
+        return entry
 
-    def put(self, key: str, value: dict) -> None:
-        self.entries[key] = value
+    def put(self, key: str, value: dict, load: float | None = None) -> None:
+        self.entries[key] = {**value, "load": None if load is None else round(load, 2)}
         self.dirty = True
 
     def save(self) -> None:
@@ -317,10 +353,11 @@ def build_problem(
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
-    calibrate: scale the isolated per-node times to what each node takes inside a real
-    training step (`monet_opt.calibrate`; three extra steps, never cached). Off by default:
-    on ResNet-50 b8 224 (CPU) it moved the predicted overhead of a 0.5 schedule by 0.1 %
-    (in-step times are ~1.25x the isolated ones, nearly uniformly)."""
+    calibrate: replace each implementation's isolated times by what it takes inside a real
+    training step (`monet_opt.calibrate`; three steps per implementation name, never cached;
+    ResNet-50 b8 224 on CPU: six names, ~65 s). Isolated timings misjudge memory-bound
+    kernels unevenly (torch's BatchNorm backward is 4x faster in a step than alone, the
+    in-place one is not), so schedules meant to be fast should be solved calibrated."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -350,6 +387,8 @@ def build_problem(
     bar = _progress(len(fx_nodes), progress, "profiling")
     started = time.perf_counter()
     hits = 0
+    busy_measured = 0
+    warned_busy = False
     requires_grad: set[str] = set()
     random_nodes: list[str] = []
     param_owner: dict[int, str] = {}
@@ -407,12 +446,23 @@ def build_problem(
                 impl_rows.append(Impl(impl.name, 0.0, 0.0))
                 continue
             key = _signature(fx_node, target, args, kwargs, impl.name) + f":{grad_positions}"
-            entry = cache.get(key)
+            load = cpu_load() if device.type == "cpu" else None
+            entry = cache.get(key, load)
             if entry is None:
+                if is_busy(load) and not warned_busy:
+                    warned_busy = True
+                    warnings.warn(
+                        f"the CPU is busy (load {load:.1f} per core, over {busy_load():g}): operator "
+                        "times measured now are inflated; they are cached as busy and measured "
+                        "again once the CPU is quiet",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 entry = measure_node(
                     fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats
                 )
-                cache.put(key, entry)
+                busy_measured += is_busy(load)
+                cache.put(key, entry, load)
             else:
                 hits += 1
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
@@ -482,6 +532,8 @@ def build_problem(
         "input_shapes": [list(x.shape) for x in example_inputs],
         "profile_seconds": round(time.perf_counter() - started, 2),
         "profile_cache_hits": hits,
+        # measurements taken on a busy CPU (now, or served from the cache while still busy)
+        "profile_busy_measurements": busy_measured + cache.busy_hits,
     }
     info.update(meta or {})
     # fixed memory: the RNG state each random node saw (the runtime keeps it to replay it on
