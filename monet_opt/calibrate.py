@@ -60,10 +60,10 @@ def in_situ_times(
         if cuda:
             torch.cuda.synchronize()
 
-    def timed_compute(run, name, impl, grad, recompute):
+    def timed_compute(run, name, impl, grad, recompute, *rest):
         sync()
         t0 = time.perf_counter()
-        compute(run, name, impl, grad, recompute)
+        compute(run, name, impl, grad, recompute, *rest)
         sync()
         if recording[0]:
             fwd[name].append(time.perf_counter() - t0)

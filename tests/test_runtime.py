@@ -245,3 +245,46 @@ def test_refuses_schedule_for_other_model_or_shape(tmp_path):
     bad.write_text('{"kind": "monet-opt schedule", "format_version": 1}')
     with pytest.raises(ScheduleError, match="missing"):
         MonetWrapper(model, bad, example_inputs=(x,))
+
+
+def _count_reuse(wrapped, x):
+    """How many ReLU / add steps of one training step ran in place on their input."""
+    ex = wrapped.executor
+    calls = []
+    may_reuse = ex._may_reuse
+
+    def spy(run, plan, freed):
+        ok = may_reuse(run, plan, freed)
+        if ok:
+            calls.append(plan.reuse)
+        return ok
+
+    ex._may_reuse = spy
+    try:
+        loss_of(wrapped(x)).backward()
+    finally:
+        ex._may_reuse = may_reuse
+        zero_grad(wrapped)
+    return calls
+
+
+def test_relu_and_add_run_in_place_only_when_nothing_else_needs_their_input():
+    """Default ReLU and residual adds overwrite their input when the schedule frees it right
+    after (as torchvision's inplace=True does), never when a backward state saved it
+    (output-activated BatchNorm keeps its output, the following ReLU's input)."""
+    model, x, problem = setup("resnet18")
+    plain_schedule = baselines.no_recompute(problem)
+    calls = _count_reuse(MonetWrapper(model, plain_schedule, example_inputs=(x,)), x)
+    assert calls.count("relu") >= 8 and calls.count("add") >= 4, calls
+    pick = {
+        n.name: "output_activated"
+        for n in problem.nodes
+        if any(im.name == "output_activated" for im in n.impls)
+    }
+    assert pick
+    schedule = baselines.no_recompute(problem, impls=pick)
+    calls = _count_reuse(MonetWrapper(model, schedule, example_inputs=(x,)), x)
+    bn_then_relu = {n.name for n in problem.nodes if n.inputs and n.inputs[0] in pick and "relu" in n.name}
+    assert bn_then_relu
+    assert calls.count("relu") <= sum(1 for n in problem.nodes if "relu" in n.name) - len(bn_then_relu)
+    check_schedule("resnet18", schedule)  # gradients equal, peak as predicted

@@ -14,10 +14,17 @@ The executor follows `solver.simulate`'s memory model step by step:
   in-place gradient (`grad_in_place`) overwrites the gradient it is fed, so it gets
   a buffer nobody else holds: a model output's gradient (the engine holds it) or a
   gradient shared with another slot is copied first, as the memory model says.
+* ReLU and tensor additions with the default implementation run in place on their
+  first input when the schedule frees that input right after the step and nothing
+  else holds its storage (no live backward state saved it, no other handle shares
+  it), as plain PyTorch models do with `inplace=True` and `out += identity`. The
+  memory model counts a new output there, so this only lowers the measured peak; it
+  saves the page faults of a fresh buffer (ResNet-50 b8 224 on CPU: 65 such steps).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +92,7 @@ class _State:
     grad_positions: list[int]  # flat output positions that require grad
     leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
     in_place: bool = False  # the backward overwrites the gradient it is fed
+    saved: frozenset[int] = frozenset()  # storages (data_ptr) its local graph saved
 
 
 @dataclass
@@ -94,6 +102,7 @@ class _Plan:
     impls: dict[str, Implementation]
     random: bool  # replay the forward's RNG state when computed again
     params: list[torch.Tensor]  # parameters the node uses that need gradients
+    reuse: str | None = None  # "relu" / "add": the default may run in place on its first input
 
 
 @dataclass
@@ -127,6 +136,27 @@ def _node_params(gm: fx.GraphModule, node: fx.Node, target: Any) -> list[torch.T
     return list(params.values())
 
 
+_RELU_FUNCTIONS = (torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_)
+_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+
+
+def _reuse_kind(node: fx.Node, target: Any) -> str | None:
+    """'relu' or 'add' if the node's default is a ReLU or an addition that may run in place."""
+    if node.op == "call_module" and type(target) is torch.nn.ReLU:
+        return "relu"
+    if node.op == "call_function":
+        if any(target is f for f in _RELU_FUNCTIONS) and set(node.kwargs) <= {"inplace"}:
+            return "relu"
+        if any(target is f for f in _ADD_FUNCTIONS) and len(node.args) == 2 and not node.kwargs:
+            return "add"
+    if node.op == "call_method":
+        if target in ("relu", "relu_") and len(node.args) == 1 and not node.kwargs:
+            return "relu"
+        if target in ("add", "add_") and len(node.args) == 2 and not node.kwargs:
+            return "add"
+    return None
+
+
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
@@ -147,12 +177,29 @@ class ScheduleExecutor:
             if node.op in ("call_module", "call_function", "call_method"):
                 target = _resolve_target(gm, node)
                 impls = {i.name: i for i in implementations_for(node.op, target)}
-                self.plans[node.name] = _Plan(node, target, impls, False, _node_params(gm, node, target))
+                self.plans[node.name] = _Plan(
+                    node, target, impls, False, _node_params(gm, node, target), _reuse_kind(node, target)
+                )
         self._check_schedule()
         # every node the schedule runs again and that drew random numbers in the forward
         # (dropout, dropout inside attention, user randomness) replays them: same masks
         for name in schedule.recomputed():
             self.plans[name].random = True
+        # per (stage, step) compute: the values the schedule frees before its next compute/backward
+        self.freed_after: dict[tuple[int, int], frozenset[str]] = {}
+        self.stage_index = {id(stage): si for si, stage in enumerate(schedule.stages)}
+        for si, stage in enumerate(schedule.stages):
+            pending: list[int] = []
+            freed: set[str] = set()
+            for k, step in enumerate(list(stage.steps) + [None]):
+                if step is None or step.op in ("compute", "backward"):
+                    for k0 in pending:
+                        self.freed_after[(si, k0)] = frozenset(freed)
+                    pending, freed = [], set()
+                    if step is not None and step.op == "compute":
+                        pending.append(k)
+                elif step.op == "free_value":
+                    freed.add(step.node)
         # nodes with a backward stage: their outputs need gradients
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
@@ -217,9 +264,18 @@ class ScheduleExecutor:
         return arg.name in self.has_backward
 
     # -- steps ---------------------------------------------------------------------
-    def compute(self, run: _StepRun, name: str, impl_name: str, grad: bool, recompute: bool) -> None:
+    def compute(
+        self,
+        run: _StepRun,
+        name: str,
+        impl_name: str,
+        grad: bool,
+        recompute: bool,
+        freed: frozenset[str] = frozenset(),
+    ) -> None:
         plan = self.plans[name]
         impl = plan.impls[impl_name]
+        reuse = plan.reuse if impl_name == "default" and self._may_reuse(run, plan, freed) else None
         with torch.enable_grad() if grad else torch.no_grad():
             args, kwargs, leaves = self._args(run, plan.node, grad)
         rng_ctx = None
@@ -230,8 +286,21 @@ class ScheduleExecutor:
                     rng_ctx = _RestoreRng(run.rng[name])
             else:
                 before = _save_rng()
-        with torch.enable_grad() if grad else torch.no_grad():
-            if rng_ctx is not None:
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
+        with (
+            torch.enable_grad() if grad else torch.no_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            if reuse == "relu":
+                out = torch.relu_(args[0])
+            elif reuse == "add":
+                out = args[0].add_(args[1])
+            elif rng_ctx is not None:
                 with rng_ctx:
                     out = impl.run(plan.target, args, kwargs, recompute)
             else:
@@ -245,9 +314,45 @@ class ScheduleExecutor:
                 box = _GradBox()
                 with torch.enable_grad():
                     root = _Root.apply(box, *[flat[i] for i in positions])
-                run.states[name] = _State(root, box, positions, leaves, impl.grad_in_place)
+                run.states[name] = _State(root, box, positions, leaves, impl.grad_in_place, frozenset(saved))
         run.flat_len[name] = len(flat)
         run.env[name] = tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+    def _may_reuse(self, run: _StepRun, plan: _Plan, freed: frozenset[str]) -> bool:
+        """The node's first input may be overwritten: the schedule frees it right after this
+        step, no live backward state saved its storage, no other handle shares it."""
+        if plan.reuse is None:
+            return False
+        node = plan.node
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node) or first.name not in freed or first.name not in run.env:
+            return False
+        x = run.env[first.name]
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return False
+        if plan.reuse == "add":
+            other = node.args[1] if len(node.args) == 2 and not node.kwargs else None
+            y = self._value_of(run, other) if isinstance(other, fx.Node) else other
+            if isinstance(y, torch.Tensor):
+                if y.dtype != x.dtype or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                    return False
+                if torch.broadcast_shapes(x.shape, y.shape) != x.shape:
+                    return False
+            elif not isinstance(y, (int, float)) or isinstance(y, bool):
+                return False
+        if x.untyped_storage().nbytes() != x.numel() * x.element_size() or not x.is_contiguous():
+            return False
+        key = x.untyped_storage().data_ptr()
+        if any(key in st.saved for st in run.states.values()):
+            return False
+        for other_name, v in run.env.items():
+            if (
+                other_name != first.name
+                and isinstance(v, torch.Tensor)
+                and v.untyped_storage().data_ptr() == key
+            ):
+                return False
+        return True
 
     def backward(self, run: _StepRun, name: str) -> None:
         state = run.states.pop(name, None)
@@ -353,9 +458,11 @@ class ScheduleExecutor:
         return input_grads
 
     def _run_stage(self, run: _StepRun, stage, recompute: bool) -> None:
-        for step in stage.steps:
+        si = self.stage_index[id(stage)]
+        for k, step in enumerate(stage.steps):
             if step.op == "compute":
-                self.compute(run, step.node, step.impl, step.grad, recompute)
+                freed = self.freed_after.get((si, k), frozenset())
+                self.compute(run, step.node, step.impl, step.grad, recompute, freed)
             elif step.op == "backward":
                 self.backward(run, step.node)
             elif step.op == "free_value":
