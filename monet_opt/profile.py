@@ -590,6 +590,11 @@ def _arg_layout(fx_node: fx.Node, args: tuple, kwargs: dict, problem_names: set[
             inputs.append(item.name)
         sources += [item if is_node else None] * count
         positions += [pos] * count
+    # nodes hidden where tree_flatten does not look (a slice bound: `w[: idx.shape[1]]`) are
+    # inputs too: their values must be held until this node runs
+    for node in fx_node.all_input_nodes:
+        if node.name in problem_names and node.name not in inputs:
+            inputs.append(node.name)
     return sources, positions, inputs
 
 

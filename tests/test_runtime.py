@@ -288,3 +288,23 @@ def test_relu_and_add_run_in_place_only_when_nothing_else_needs_their_input():
     assert bn_then_relu
     assert calls.count("relu") <= sum(1 for n in problem.nodes if "relu" in n.name) - len(bn_then_relu)
     check_schedule("resnet18", schedule)  # gradients equal, peak as predicted
+
+
+def test_builtin_gpt_runs_with_equal_gradients():
+    """monet_opt.models.GPT slices its position table with a traced size (`w[: idx.shape[1]]`):
+    the size node, hidden inside a slice, is an input of the slice and is held until it runs."""
+    from monet_opt.zoo import ModelSpec
+
+    spec = ModelSpec("gpt", batch=2, seq=64)
+    torch.manual_seed(0)
+    model = spec.build().train()
+    (x,) = spec.example_inputs()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert any("getitem" in n.inputs for n in problem.nodes)
+    for schedule in (baselines.no_recompute(problem), baselines.multilevel(problem)):
+        plain = copy.deepcopy(model)
+        wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+        expected = grads_after_step(plain, plain, x)
+        got = grads_after_step(wrapped, model, x)
+        for key in expected:
+            assert_grads_close(got[key], expected[key], f"gpt: grad of {key}")
