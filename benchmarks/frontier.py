@@ -216,7 +216,9 @@ def run(args) -> list[Row]:
     # monet-opt
     say("monet-opt: profiling")
     t0 = time.perf_counter()
-    problem = build_problem(model, inputs, progress=args.verbose, use_cache=not args.fresh_profile)
+    problem = build_problem(
+        model, inputs, progress=args.verbose, use_cache=not args.fresh_profile, calibrate=args.calibrate
+    )
     profile_s = time.perf_counter() - t0
     nr = solver.no_recompute(problem)
     plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
@@ -405,6 +407,12 @@ def parse_args(argv=None):
         action="store_true",
         help="measure operator costs again instead of using the profile cache (whose times may "
         "have been measured under a different machine load)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time every implementation inside real training steps too (monet_opt.calibrate): "
+        "predicted step times close to measured ones",
     )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5")
