@@ -244,18 +244,12 @@ def _inner_cuts(an: Analysis, coarse: list[int]) -> list[int]:
     """Cuts inside the articulation segments: the last position of each run of positions that
     two values cross with equal bytes (in a residual block: after each conv-bn-relu)."""
     cmap = _boundary_map(an)
-    out: list[int] = []
-    prev = None
-    for p in range(an.n - 1):
+
+    def key(p: int):
         cross = cmap[p]
-        key = (len(cross), _crossing_bytes(an, cross)) if len(cross) == 2 else None
-        nxt = cmap[p + 1]
-        key_next = (len(nxt), _crossing_bytes(an, nxt)) if len(nxt) == 2 else None
-        if key is not None and key != key_next and p not in coarse:
-            out.append(p)
-        prev = key
-    del prev
-    return out
+        return _crossing_bytes(an, cross) if len(cross) == 2 else None
+
+    return [p for p in range(an.n - 1) if key(p) is not None and key(p) != key(p + 1) and p not in coarse]
 
 
 def multilevel(problem: Problem, budget: int | None = None, time_limit: float = 5.0) -> Schedule | None:
