@@ -92,12 +92,12 @@ def in_situ_times(
 
 def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2) -> Problem:
     """`problem` with every implementation's times replaced by what it takes in a real step."""
-    names = [problem.nodes[0].impls[0].name] if problem.nodes else []
+    default = "default"  # every node's first implementation (monet_opt.ops)
+    names = [default]
     for node in problem.nodes:
         for im in node.impls:
             if im.name not in names:
                 names.append(im.name)
-    default = names[0] if names else "default"
     measured: dict[str, tuple[dict, dict]] = {}
     for name in names:
         measured[name] = in_situ_times(

@@ -108,17 +108,9 @@ def no_recompute(problem: Problem, impls: dict[str, str] | None = None) -> Sched
 
 
 def boundaries(an: Analysis) -> list[tuple[int, frozenset[int]]]:
-    """Positions p in topological order with the set of values crossing from <= p to > p.
-
-    Returns (p, crossing set) for every p; articulation points have crossing == {p}.
-    """
-    out = []
-    live: set[int] = set()
-    for p in range(an.n):
-        live.add(p)
-        live = {j for j in live if an.lastfwd[j] > p}
-        out.append((p, frozenset(live)))
-    return out
+    """Positions p in topological order with the set of values crossing from <= p to > p
+    (`Analysis.crossings`); articulation points have crossing == {p}."""
+    return list(enumerate(an.crossings))
 
 
 def _crossing_bytes(an: Analysis, cross) -> int:
@@ -136,7 +128,7 @@ def _segments(an: Analysis, max_cross_nodes: int = 1) -> list[int]:
 
 def _policy_from_cuts(an: Analysis, cuts: list[int], impl: list[int]) -> tuple[set[int], set[int]]:
     """F = {} except outputs, K = values crossing each cut."""
-    cross = dict(boundaries(an))
+    cross = an.crossings
     K: set[int] = set()
     for p in cuts:
         K |= cross[p]
@@ -218,35 +210,17 @@ def _articulation_cuts(an: Analysis) -> list[int]:
         if len(cross) == 1 and p not in an.user_held and p < an.n - 1:
             run.append(p)
         elif run:
-            cuts.append(min(run, key=lambda q: (_crossing_bytes(an, boundaries_at(an, q)), -q)))
+            cuts.append(min(run, key=lambda q: (_crossing_bytes(an, an.crossings[q]), -q)))
             run = []
     return cuts
-
-
-def boundaries_at(an: Analysis, p: int) -> frozenset[int]:
-    return _boundary_map(an)[p]
-
-
-_BOUNDARIES: dict[int, tuple[Analysis, dict]] = {}
-
-
-def _boundary_map(an: Analysis) -> dict[int, frozenset[int]]:
-    hit = _BOUNDARIES.get(id(an))
-    if hit is None or hit[0] is not an:
-        if len(_BOUNDARIES) > 32:
-            _BOUNDARIES.clear()
-        hit = (an, dict(boundaries(an)))
-        _BOUNDARIES[id(an)] = hit
-    return hit[1]
 
 
 def _inner_cuts(an: Analysis, coarse: list[int]) -> list[int]:
     """Cuts inside the articulation segments: the last position of each run of positions that
     two values cross with equal bytes (in a residual block: after each conv-bn-relu)."""
-    cmap = _boundary_map(an)
 
     def key(p: int):
-        cross = cmap[p]
+        cross = an.crossings[p]
         return _crossing_bytes(an, cross) if len(cross) == 2 else None
 
     return [p for p in range(an.n - 1) if key(p) is not None and key(p) != key(p + 1) and p not in coarse]
@@ -267,13 +241,11 @@ def multilevel(problem: Problem, budget: int | None = None, time_limit: float = 
     coarse = _articulation_cuts(an)
     if not coarse:
         return None
-    cmap = _boundary_map(an)
     inner = _inner_cuts(an, coarse)
     fast = an.fastest_impls()
     low = [min(range(len(ims)), key=lambda m, i=i: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)]
     every = frozenset(range(an.n))
-    best: tuple | None = None  # (key, config, schedule)
-    starts: list[tuple] = []
+    scored: list[tuple] = []  # (key, order, config, schedule): smallest peak, or fastest fitting
     ks = sorted({k for k in (1, 2, 3, 4, 6, len(coarse) + 1) if k <= len(coarse) + 1})
     configs = [
         (impl, k, off, fine, split)
@@ -294,28 +266,26 @@ def multilevel(problem: Problem, budget: int | None = None, time_limit: float = 
             frozenset(inner) if fine else frozenset(),
             every if split else frozenset(),
         )
-        sch = config.schedule(problem, an, coarse, cmap, budget)
+        sch = config.schedule(problem, an, coarse, budget)
         if budget is None:
             key = (sch.predicted_peak_bytes, sch.predicted_time_s)
         elif sch.predicted_peak_bytes <= budget:
             key = (sch.predicted_time_s,)
         else:
             continue
-        if best is None or key < best[0]:
-            best = (key, config, sch)
-        if budget is not None and sch.predicted_peak_bytes <= budget:
-            starts.append((key, len(starts), config, sch))
-    if best is None:
+        scored.append((key, len(scored), config, sch))
+    if not scored:
         return None
+    scored.sort()
+    out = scored[0][3]
     if budget is None:
-        return best[2]
+        return out
     # local search from the fastest fitting policies in turn (each ends in a local optimum)
-    out = best[2]
-    distinct = {round(sch.predicted_time_s, 9): (key, n, config, sch) for key, n, config, sch in starts}
+    distinct = {round(entry[3].predicted_time_s, 9): entry for entry in scored}
     for _key, _n, config, sch in sorted(distinct.values())[:4]:
         if time.perf_counter() > t0 + time_limit:
             break
-        found = _refine(problem, an, coarse, cmap, inner, fast, low, budget, config, sch, t0 + time_limit)
+        found = _refine(problem, an, coarse, inner, fast, low, budget, config, sch, t0 + time_limit)
         if found.predicted_time_s < out.predicted_time_s:
             out = found
     return out
@@ -333,11 +303,12 @@ class _MultiLevel:
     fine: frozenset[int]
     split: frozenset[int]
 
-    def schedule(self, problem, an, coarse, cmap, budget) -> Schedule:
-        K = {v for c in self.top for v in cmap[c]}
-        levels = [frozenset(v for c in coarse for v in cmap[c]) - K]
+    def schedule(self, problem, an, coarse, budget) -> Schedule:
+        cross = an.crossings
+        K = {v for c in self.top for v in cross[c]}
+        levels = [frozenset(v for c in coarse for v in cross[c]) - K]
         if self.fine:
-            levels.append(frozenset(v for c in self.fine for v in cmap[c]) - K - levels[0])
+            levels.append(frozenset(v for c in self.fine for v in cross[c]) - K - levels[0])
         return policy_schedule(
             problem,
             self.impl,
@@ -350,7 +321,7 @@ class _MultiLevel:
         )
 
 
-def _refine(problem, an, coarse, cmap, inner, fast, low, budget, config, sched, deadline) -> Schedule:
+def _refine(problem, an, coarse, inner, fast, low, budget, config, sched, deadline) -> Schedule:
     """First-improvement local search on a fitting multilevel policy: per articulation segment,
     keep its states from the forward, drop or add its split and inner cuts, use the fast or the
     low-memory implementations; per articulation cut, keep it in the forward or not; per node,
@@ -407,7 +378,7 @@ def _refine(problem, an, coarse, cmap, inner, fast, low, budget, config, sched, 
         since += 1
         if cand is None:
             continue
-        s2 = cand.schedule(problem, an, coarse, cmap, budget)
+        s2 = cand.schedule(problem, an, coarse, budget)
         if s2.predicted_peak_bytes <= budget and s2.predicted_time_s < sched.predicted_time_s - 1e-9:
             config, sched, since = cand, s2, 0
     return sched
@@ -479,7 +450,7 @@ def greedy(
     impl0 = an.fastest_impls()
     low = [min(range(len(ims)), key=lambda m, i=i: _state_cost(an, i, m)) for i, ims in enumerate(an.impls)]
     F0 = {i for i in range(an.n) if an.rb[i]}
-    cross = dict(boundaries(an))
+    cross = an.crossings
     units = _units(an, 3) + _units(an, 12)
     ops = sorted({problem.nodes[i].op for i in range(an.n) if low[i] != impl0[i]})
 

@@ -339,18 +339,18 @@ class Formulation:
                 if not Rs:
                     self._mem_row(base_cols, base_coefs, an.stage_const[s])
                 S2n = self.S[s + 1] if s + 1 < T else {}
-                # live[j]: (step from which the column applies, column) pairs, latest first
+                # live[j]: (first step the column applies to, column), in step order
                 live: dict[int, list[tuple[int, int]]] = {}
                 for j, rj in Rs.items():
                     if an.is_view[j] or j in user_bases or not an.a[j]:
                         continue
                     later = sorted(c for c in an.consumers[j] if c in Rs)
-                    tail = [(S2n[j], 0)] if j in S2n else []
+                    carried = [S2n[j]] if j in S2n else []
                     steps = [j + 1] + [c + 1 for c in later]  # from step steps[k], consumers later[k:]
                     cols_j: list[tuple[int, int]] = []
                     for k, start in enumerate(steps):
                         groups = [(rj + Rs[c], -1.0) for c in later[k:]]
-                        groups += [([sc] + rj, -1.0) for sc, _ in tail]
+                        groups += [([sc] + rj, -1.0) for sc in carried]
                         if has_view[j]:
                             groups.append((rj, 0.0))
                         if not groups:

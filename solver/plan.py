@@ -74,8 +74,14 @@ class Analysis:
                     ks.add(self.base[i])
                 row.append(tuple(sorted(ks)))
             self.kept_bases.append(row)
+        # (i, m) makes a state that costs nothing: no private bytes, keeps no storage
+        self.free_state = [
+            [not im.state_bytes and not self.kept_bases[i][m] for m, im in enumerate(self.impls[i])]
+            for i in range(n)
+        ]
         self._grad_constants()
         self._anc: list[frozenset[int]] | None = None
+        self._crossings: list[frozenset[int]] | None = None
 
     def _grad_constants(self) -> None:
         """Gradient bytes live during each backward stage, which no schedule changes."""
@@ -116,6 +122,20 @@ class Analysis:
             return 0
         nodes = self.problem.nodes
         return min(nodes[j].grad_bytes, nodes[t].grad_bytes)
+
+    @property
+    def crossings(self) -> list[frozenset[int]]:
+        """crossings[p]: the values crossing from <= p to > p in the forward (topological order);
+        articulation points have crossings[p] == {p}."""
+        if self._crossings is None:
+            out: list[frozenset[int]] = []
+            live: set[int] = set()
+            for p in range(self.n):
+                live.add(p)
+                live = {j for j in live if self.lastfwd[j] > p}
+                out.append(frozenset(live))
+            self._crossings = out
+        return self._crossings
 
     @property
     def ancestors(self) -> list[frozenset[int]]:
@@ -214,10 +234,7 @@ def lazy_plan(
     cuts = [sorted(set(K).union(*levels[:d])) for d in range(len(levels) + 1)]
     cuts[-1] = sorted(set(cuts[-1]) | set(split))
     layered = bool(levels or split)
-    free_state = [
-        [not im.state_bytes and not an.kept_bases[i][m] for m, im in enumerate(an.impls[i])]
-        for i in range(an.n)
-    ]
+    free_state = an.free_state
 
     def segment(v: int, depth: int) -> int:
         return bisect.bisect_left(cuts[depth], v)

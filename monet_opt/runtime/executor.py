@@ -73,7 +73,7 @@ class _Leaf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+        if not _is_dense(grad):
             # a slice of a larger gradient (cat, split) or an expanded one: keep a dense copy,
             # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
             grad = grad.clone()
@@ -83,6 +83,11 @@ class _Leaf(torch.autograd.Function):
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # makes _Leaf outputs require grad
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """t spans its whole storage (not a slice of, or an expanded view on, a larger one)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 @dataclass
@@ -185,21 +190,19 @@ class ScheduleExecutor:
         # (dropout, dropout inside attention, user randomness) replays them: same masks
         for name in schedule.recomputed():
             self.plans[name].random = True
-        # per (stage, step) compute: the values the schedule frees before its next compute/backward
-        self.freed_after: dict[tuple[int, int], frozenset[str]] = {}
-        self.stage_index = {id(stage): si for si, stage in enumerate(schedule.stages)}
-        for si, stage in enumerate(schedule.stages):
-            pending: list[int] = []
+        # freed_after[stage][k]: the values the schedule frees after step k, before its next
+        # compute or backward
+        self.freed_after: list[list[frozenset[str]]] = []
+        for stage in schedule.stages:
+            after: list[frozenset[str]] = []
             freed: set[str] = set()
-            for k, step in enumerate(list(stage.steps) + [None]):
-                if step is None or step.op in ("compute", "backward"):
-                    for k0 in pending:
-                        self.freed_after[(si, k0)] = frozenset(freed)
-                    pending, freed = [], set()
-                    if step is not None and step.op == "compute":
-                        pending.append(k)
+            for step in reversed(stage.steps):
+                after.append(frozenset(freed))
+                if step.op in ("compute", "backward"):
+                    freed = set()
                 elif step.op == "free_value":
                     freed.add(step.node)
+            self.freed_after.append(after[::-1])
         # nodes with a backward stage: their outputs need gradients
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
@@ -330,8 +333,8 @@ class ScheduleExecutor:
         x = run.env[first.name]
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return False
-        if plan.reuse == "add":
-            other = node.args[1] if len(node.args) == 2 and not node.kwargs else None
+        if plan.reuse == "add":  # (_reuse_kind: exactly two positional arguments)
+            other = node.args[1]
             y = self._value_of(run, other) if isinstance(other, fx.Node) else other
             if isinstance(y, torch.Tensor):
                 if y.dtype != x.dtype or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
@@ -340,7 +343,7 @@ class ScheduleExecutor:
                     return False
             elif not isinstance(y, (int, float)) or isinstance(y, bool):
                 return False
-        if x.untyped_storage().nbytes() != x.numel() * x.element_size() or not x.is_contiguous():
+        if not _is_dense(x) or not x.is_contiguous():
             return False
         key = x.untyped_storage().data_ptr()
         if any(key in st.saved for st in run.states.values()):
@@ -412,7 +415,7 @@ class ScheduleExecutor:
         holds its storage, it is dense, and it is not a model output's (the engine holds those)."""
         if any(src == name for src, _ in run.output_map):
             return False
-        if g.untyped_storage().nbytes() != g.numel() * g.element_size():
+        if not _is_dense(g):
             return False
         return self._holders(run, g) == 0
 
@@ -430,7 +433,7 @@ class ScheduleExecutor:
         if len(inputs) != len(self.placeholders):
             raise ScheduleRuntimeError(f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}")
         run = _StepRun(inputs={p.name: x for p, x in zip(self.placeholders, inputs)})
-        self._run_stage(run, self.schedule.stages[0], recompute=False)
+        self._run_stage(run, 0, recompute=False)
         outputs = fx.node.map_arg(self.output_node.args[0], lambda n: self._value_of(run, n))
         flat, spec = tree_flatten(outputs)
         node_leaves, _ = tree_flatten(self.output_node.args[0])
@@ -448,8 +451,8 @@ class ScheduleExecutor:
                 continue
             slots = run.grads.setdefault(src, [None] * run.flat_len[src])
             slots[pos] = g if slots[pos] is None else slots[pos] + g
-        for stage in self.schedule.stages[1:]:
-            self._run_stage(run, stage, recompute=True)
+        for si in range(1, len(self.schedule.stages)):
+            self._run_stage(run, si, recompute=True)
         input_grads = run.input_grads
         input_grads.update({("param", k): v for k, v in run.param_grads.items()})
         run.env.clear()
@@ -457,12 +460,11 @@ class ScheduleExecutor:
         run.grads.clear()
         return input_grads
 
-    def _run_stage(self, run: _StepRun, stage, recompute: bool) -> None:
-        si = self.stage_index[id(stage)]
+    def _run_stage(self, run: _StepRun, si: int, recompute: bool) -> None:
+        stage = self.schedule.stages[si]
         for k, step in enumerate(stage.steps):
             if step.op == "compute":
-                freed = self.freed_after.get((si, k), frozenset())
-                self.compute(run, step.node, step.impl, step.grad, recompute, freed)
+                self.compute(run, step.node, step.impl, step.grad, recompute, self.freed_after[si][k])
             elif step.op == "backward":
                 self.backward(run, step.node)
             elif step.op == "free_value":
