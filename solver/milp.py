@@ -327,7 +327,7 @@ class Formulation:
             # memory while recomputing, one row per compute step i of the stage: held at the
             # start + states + states recomputed so far + values recomputed earlier in the stage
             # that are still live at i (a consumer >= i recomputed here, carried, or viewed) +
-            # step i's output, workspace and view inputs
+            # step i's output and workspace
             md.tag = ("mem_rec", s, t)
             if Rs or s == 0:
                 base_cols, base_coefs = [], []
@@ -384,15 +384,11 @@ class Formulation:
                         if col is not None:
                             cols.append(col)
                             coefs.append(float(an.a[j]))
-                    view_bytes = 0
-                    for j in an.uinputs[i]:
-                        if an.is_view[j]:
-                            b2 = an.base[j]
-                            if b2 not in user_bases:
-                                view_bytes += an.a[b2]
+                    # a view input's storage is already counted: its base is held at the start
+                    # (S, via the view row) or recomputed here (P: a base with a view stays live)
                     for m, c in enumerate(rc):
                         cols.append(c)
-                        coefs.append(float(an.a[i] + an.impls[i][m].fwd_workspace + view_bytes))
+                        coefs.append(float(an.a[i] + an.impls[i][m].fwd_workspace))
                     self._mem_row(cols, coefs, an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)

@@ -1,4 +1,4 @@
-"""Synthetic problems for tests and benchmarks: chains, residual networks, random DAGs.
+"""Synthetic problems for tests and benchmarks: chains, residual networks, random DAGs, GPT-like blocks.
 
 Costs are plausible, not measured: times follow FLOP counts of convolutional
 networks at a small batch, bytes follow activation shapes in float32. Each
@@ -227,6 +227,117 @@ def resnet(
     return b.problem()
 
 
+def transformer(layers: int = 2, seed: int = 0, batch: int = 4, seq: int = 64, dim: int = 64) -> Problem:
+    """A GPT-like stack of `layers` pre-norm blocks (costs shaped like the profiled GPT's).
+
+    Per block: layer norm, a qkv linear whose output is split into three views (q, k, v),
+    each transposed (another view), attention reading the three views (default keeps them
+    and its output; "math" keeps a large private state instead), a transposed view of its
+    output, projection, dropout (mask or bitmask state), residual add (gradient in place),
+    then layer norm, linear, gelu, linear, dropout, residual add. Ends in a layer norm and
+    a linear head (the output).
+    """
+    b = _Builder(seed, f"transformer{layers}")
+    e = batch * seq * dim
+    act = e * F32
+    heads = 4
+    scores = batch * heads * seq * seq * F32
+
+    def lin(name, x, out_elems, fan_in):
+        t = b.jitter(2.0 * out_elems * fan_in / 20e9 + 1e-5)
+        return b.add(
+            name,
+            "linear",
+            [x],
+            out_elems * F32,
+            [Impl("default", t, 2 * t, keeps_inputs=(0,))],
+            param_grad_bytes=fan_in * (out_elems // (batch * seq)) * F32,
+        )
+
+    def ln(name, x):
+        t = b.jitter(e / 2e9 + 1e-5)
+        impls = [
+            Impl(
+                "default",
+                t,
+                1.6 * t,
+                bwd_workspace=2 * dim * F32,
+                keeps_inputs=(0,),
+                state_bytes=batch * seq * 8,
+            )
+        ]
+        return b.add(name, "layernorm", [x], act, impls, param_grad_bytes=2 * dim * F32)
+
+    def view(name, op, x, grad_bytes):
+        return b.add(name, op, [x], 0, [Impl("default", 1e-6, 1e-6)], alias_of=0, grad_bytes=grad_bytes)
+
+    def dropout(name, x):
+        t = b.jitter(e / 4e9 + 5e-6)
+        impls = [
+            Impl("default", t, t, state_bytes=act),
+            Impl(
+                "mask_bitmask",
+                1.2 * t,
+                1.3 * t,
+                fwd_workspace=act,
+                bwd_workspace=act,
+                state_bytes=max(1, act // 32),
+            ),
+        ]
+        return b.add(name, "dropout", [x], act, impls)
+
+    def add(name, x, y):
+        t = b.jitter(e / 3e9 + 5e-6)
+        return b.add(name, "add", [x, y], act, [Impl("default", t, 3 * t, grad_in_place=0)])
+
+    t_emb = b.jitter(e / 4e9 + 1e-5)
+    x = b.add("tok", "embedding", [], act, [Impl("default", t_emb, 4 * t_emb)], param_grad_bytes=act // 4)
+    for k in range(layers):
+        p = f"b{k}_"
+        h = ln(p + "ln1", x)
+        qkv = lin(p + "qkv", h, 3 * e, dim)
+        sp = view(p + "split", "split", qkv, 3 * act)
+        qs = [view(p + f"t{c}", "transpose", view(p + c, "getitem", sp, act), act) for c in "qkv"]
+        t = b.jitter(batch * heads * seq * seq * dim / 20e9 + 2e-5)
+        impls = [
+            Impl(
+                "default",
+                t,
+                2.5 * t,
+                fwd_workspace=scores // 8,
+                bwd_workspace=scores,
+                keeps_inputs=(0, 1, 2),
+                keeps_output=True,
+                state_bytes=batch * heads * seq * 8,
+            ),
+            Impl(
+                "math", 1.4 * t, 2.0 * t, fwd_workspace=scores, bwd_workspace=scores, state_bytes=2 * scores
+            ),
+        ]
+        a = b.add(p + "attn", "scaled_dot_product_attention", qs, act, impls)
+        a = view(p + "merge", "transpose", a, act)
+        y = dropout(p + "attn_drop", lin(p + "proj", a, e, dim))
+        x = add(p + "add1", x, y)
+        h = ln(p + "ln2", x)
+        f = lin(p + "fc", h, 4 * e, dim)
+        tg = b.jitter(4 * e / 4e9 + 5e-6)
+        g = b.add(p + "gelu", "gelu", [f], 4 * act, [Impl("default", tg, 2 * tg, keeps_inputs=(0,))])
+        y = dropout(p + "drop", lin(p + "out", g, e, 4 * dim))
+        x = add(p + "add2", x, y)
+    x = ln("ln_f", x)
+    th = b.jitter(2.0 * e * 256 / 20e9 + 1e-5)
+    b.add(
+        "head",
+        "linear",
+        [x],
+        batch * seq * 256 * F32,
+        [Impl("default", th, 2 * th, keeps_inputs=(0,))],
+        is_output=True,
+        param_grad_bytes=dim * 256 * F32,
+    )
+    return b.problem()
+
+
 def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool = True) -> Problem:
     """A small random DAG with random costs and implementation variants.
 
@@ -366,4 +477,5 @@ def problem_zoo() -> dict[str, Problem]:
         "random10": random_dag(10, seed=5),
         "random16": random_dag(16, seed=6),
         "random24": random_dag(24, seed=7),
+        "transformer2": transformer(2, seed=8),
     }

@@ -239,3 +239,32 @@ def test_multilevel_lowers_the_peak(name):
         for window in (None, 3):
             form = Formulation(an, int(budget * slack), window=window, warm_plan=plan)
             assert not form.violations(form.plan_to_vector(plan)), (frac, window)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_milp_accepts_multilevel_plans_on_attention_blocks(layers):
+    """GPT-like blocks: attention reads three views (split, getitem, transpose) of one qkv storage.
+    A step reading views counts their storage once (it is held, or recomputed and live), so the
+    MILP accepts multilevel's plans at exactly their simulated peak (it used to add the qkv
+    storage once more per view input, and the GPT at 0.5 fell back to multilevel)."""
+    from solver.synthetic import transformer
+
+    p = transformer(layers)
+    an = B.analysis(p)
+    attention = {i for i, nd in enumerate(p.nodes) if nd.op == "scaled_dot_product_attention"}
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    deep = B.multilevel(p)
+    recomputed = set()
+    for frac in (0.0, 0.25, 0.5):
+        budget = int(deep.predicted_peak_bytes + frac * (peak0 - deep.predicted_peak_bytes))
+        fit = B.multilevel(p, budget, time_limit=3)
+        _check(p, fit, budget)
+        plan = B.plan_of(p, fit)
+        recomputed |= {i for st in plan.stages for i, _m, _g in st.recompute} & attention
+        peak = fit.predicted_peak_bytes
+        for window in (None, 3):
+            form = Formulation(an, peak, window=window, warm_plan=plan)
+            assert not form.violations(form.plan_to_vector(plan)), (frac, window)
+            tight = Formulation(an, peak - 1, window=window, warm_plan=plan)
+            assert tight.violations(tight.plan_to_vector(plan)), "MILP accepts a plan over budget"
+    assert recomputed == attention  # the pattern is exercised: every attention is recomputed
