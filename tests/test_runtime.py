@@ -308,3 +308,69 @@ def test_builtin_gpt_runs_with_equal_gradients():
         got = grads_after_step(wrapped, model, x)
         for key in expected:
             assert_grads_close(got[key], expected[key], f"gpt: grad of {key}")
+
+
+def _backward_calls(wrapped, x, monkeypatch) -> int:
+    calls = []
+    real = torch.autograd.grad
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    try:
+        loss_of(wrapped(x)).backward()
+    finally:
+        monkeypatch.setattr(torch.autograd, "grad", real)
+        zero_grad(wrapped)
+    return len(calls)
+
+
+def test_plain_runs_share_one_autograd_graph(monkeypatch):
+    """Nodes the schedule runs as plain PyTorch would (computed once with autograd, backward
+    steps back to back) share one graph and one backward call: the whole model when nothing
+    is recomputed, each recomputed segment under sqrt(n) checkpointing. Gradients stay equal
+    and the peak as predicted."""
+    model, x, problem = setup("resnet18")
+    schedule = baselines.no_recompute(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    with_backward = {s.node for st in schedule.stages for s in st.steps if s.op == "backward"}
+    (group,) = wrapped.executor.groups
+    assert set(group.members) == with_backward
+    assert _backward_calls(wrapped, x, monkeypatch) == 1
+    check_schedule("resnet18", schedule)
+
+    schedule = baselines.chen_sqrt(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    groups = wrapped.executor.groups
+    assert len(groups) >= 4
+    grouped = {m for g in groups for m in g.members}
+    for g in groups:  # each member computed with autograd once: in its segment's recompute
+        for m in g.members:
+            n = sum(
+                1 for st in schedule.stages for s in st.steps if s.op == "compute" and s.node == m and s.grad
+            )
+            assert n == 1, m
+    singles = len(with_backward - grouped)
+    assert _backward_calls(wrapped, x, monkeypatch) <= len(groups) + singles < len(with_backward) / 2
+    check_schedule("resnet18", schedule)
+
+
+def test_gradient_writing_implementations_stay_out_of_shared_graphs():
+    """An implementation that writes into the gradient it is fed (bit-mask ReLU, in-place-gradient
+    BatchNorm) keeps its own graph: inside a shared one, autograd may hand that buffer to a
+    second branch too (a residual add passes its gradient on to both inputs)."""
+    model, x, problem = setup("resnet18")
+    pick = {}
+    for n in problem.nodes:
+        names = {im.name for im in n.impls}
+        for want in ("bitmask", "inplace_grad"):
+            if want in names:
+                pick[n.name] = want
+    assert pick
+    schedule = baselines.no_recompute(problem, impls=pick)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    members = {m for g in wrapped.executor.groups for m in g.members}
+    assert members and not members & set(pick)
+    check_schedule("resnet18", schedule)

@@ -61,7 +61,8 @@ _PASS_THROUGH_FUNCTIONS = (operator.add, operator.iadd, operator.sub, operator.i
 _PASS_THROUGH_METHODS = ("add", "add_", "sub", "sub_")
 
 
-def _passes_gradient(op: str, target: Any) -> bool:
+def passes_gradient(op: str, target: Any) -> bool:
+    """The op hands its output's gradient on as an input's gradient (add, sub): no new buffer."""
     if op == "call_method":
         return target in _PASS_THROUGH_METHODS
     return op == "call_function" and any(target is f for f in _PASS_THROUGH_FUNCTIONS)
@@ -72,7 +73,7 @@ def implementations_for(op: str, target: Any, example_args=None, example_kwargs=
     family = family_of(op, target)
     if family is None:
         impls = [out_of_place_default(op, target)]
-        if _passes_gradient(op, target):
+        if passes_gradient(op, target):
             impls = [dataclasses.replace(impls[0], grad_in_place=True)]
     else:
         impls = FAMILIES[family].implementations(op, target, example_args, example_kwargs)

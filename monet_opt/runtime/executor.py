@@ -14,6 +14,9 @@ The executor follows `solver.simulate`'s memory model step by step:
   in-place gradient (`grad_in_place`) overwrites the gradient it is fed, so it gets
   a buffer nobody else holds: a model output's gradient (the engine holds it) or a
   gradient shared with another slot is copied first, as the memory model says.
+* runs of nodes the schedule treats as plain PyTorch would (computed once with
+  autograd, backward steps back to back; `runtime/groups.py`) share one connected graph
+  and one `autograd.grad` call instead: the per-node objects and calls cost ~0.1 ms each;
 * ReLU and tensor additions with the default implementation run in place on their
   first input when the schedule frees that input right after the step and nothing
   else holds its storage (no live backward state saved it, no other handle shares
@@ -25,6 +28,7 @@ The executor follows `solver.simulate`'s memory model step by step:
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +36,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from monet_opt.ops import implementations_for
+from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
+from monet_opt.runtime.groups import Group, find_groups
 from solver.schedule import Schedule
 
 
@@ -92,12 +97,15 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 @dataclass
 class _State:
-    root: torch.Tensor
+    root: torch.Tensor | None  # None while a group's forward is still running
     box: _GradBox
-    grad_positions: list[int]  # flat output positions that require grad
+    outputs: list[tuple[str, int]]  # (node, flat output position) fed to the root, needing grad
     leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
-    in_place: bool = False  # the backward overwrites the gradient it is fed
-    saved: frozenset[int] = frozenset()  # storages (data_ptr) its local graph saved
+    params: list[torch.Tensor]  # parameters whose gradients the local graph gives
+    in_place: set[str] = field(
+        default_factory=set
+    )  # nodes whose backward overwrites (or passes on) its gradient
+    saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
 
 
 @dataclass
@@ -121,6 +129,50 @@ class _StepRun:
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> gradient
     flat_len: dict[str, int] = field(default_factory=dict)
     output_map: list[tuple[str, int]] = field(default_factory=list)
+    # storages (data_ptr) held by the value handles in env, and saved by the live states:
+    # counted as they come and go, so the in-place reuse check is O(1), not O(live values)
+    value_refs: Counter = field(default_factory=Counter)
+    value_keys: dict[str, list[int]] = field(default_factory=dict)
+    saved_refs: Counter = field(default_factory=Counter)
+    linked: dict[str, Any] = field(default_factory=dict)  # a running group's outputs, graph attached
+    pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
+
+    def put_value(self, name: str, value: Any) -> None:
+        if name in self.env:
+            self.value_refs.subtract(self.value_keys.pop(name))
+        self.env[name] = value
+        keys = [t.untyped_storage().data_ptr() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        self.value_keys[name] = keys
+        self.value_refs.update(keys)
+
+    def pop_value(self, name: str) -> None:
+        self.linked.pop(name, None)
+        if name in self.env:
+            del self.env[name]
+            self.value_refs.subtract(self.value_keys.pop(name))
+
+    def clear(self) -> None:
+        for held in (
+            self.env,
+            self.states,
+            self.grads,
+            self.value_refs,
+            self.value_keys,
+            self.saved_refs,
+            self.linked,
+        ):
+            held.clear()
+
+    def put_state(self, name: str, state: _State) -> None:
+        self.pop_state(name)
+        self.states[name] = state
+        self.saved_refs.update(state.saved)
+
+    def pop_state(self, name: str) -> _State | None:
+        state = self.states.pop(name, None)
+        if state is not None:
+            self.saved_refs.subtract(state.saved)
+        return state
 
 
 def _resolve_target(gm: fx.GraphModule, node: fx.Node) -> Any:
@@ -203,6 +255,23 @@ class ScheduleExecutor:
                 elif step.op == "free_value":
                     freed.add(step.node)
             self.freed_after.append(after[::-1])
+        # runs of nodes that share one autograd graph and one backward call (runtime/groups.py)
+        users = {
+            n.name: {u.name if u.op != "output" else "output" for u in n.users}
+            for n in gm.graph.nodes
+            if n.name in self.plans
+        }
+        # implementations that write into the gradient they are fed stay alone: inside a shared
+        # graph the engine may hand that buffer to another branch too (add's pass-through does)
+        writes = {
+            (n, i)
+            for n, plan in self.plans.items()
+            if not passes_gradient(plan.node.op, plan.target)
+            for i, impl in plan.impls.items()
+            if impl.grad_in_place
+        }
+        self.groups = find_groups(schedule, users, writes)
+        self.group_of: dict[str, Group] = {m: g for g in self.groups for m in g.members}
         # nodes with a backward stage: their outputs need gradients
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
@@ -239,6 +308,8 @@ class ScheduleExecutor:
         leaves: list[tuple[str, int, _GradBox]] = []
 
         def load(arg: fx.Node) -> Any:
+            if grad and arg.name in run.linked:
+                return run.linked[arg.name]  # from a member of the running group: graph attached
             value = self._value_of(run, arg)
             if not grad or arg.op == "get_attr":
                 return value
@@ -313,13 +384,60 @@ class ScheduleExecutor:
         flat, spec = tree_flatten(out)
         if grad:
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if positions:
+            group = self.group_of.get(name)  # (a member's one compute with autograd)
+            if group is not None:
+                self._join_group(
+                    run, group, name, impl_name, out, [(i, flat[i]) for i in positions], leaves, saved
+                )
+            elif positions:
                 box = _GradBox()
                 with torch.enable_grad():
                     root = _Root.apply(box, *[flat[i] for i in positions])
-                run.states[name] = _State(root, box, positions, leaves, impl.grad_in_place, frozenset(saved))
+                outputs = [(name, i) for i in positions]
+                run.put_state(
+                    name,
+                    _State(
+                        root,
+                        box,
+                        outputs,
+                        leaves,
+                        plan.params,
+                        {name} if impl.grad_in_place else set(),
+                        saved,
+                    ),
+                )
         run.flat_len[name] = len(flat)
-        run.env[name] = tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+        run.put_value(
+            name, tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+        )
+
+    def _join_group(
+        self, run: _StepRun, group: Group, name: str, impl_name: str, out: Any, outs, leaves, saved
+    ) -> None:
+        """Add a member's forward to its group's state; the last member closes the graph."""
+        key = _group_key(group)
+        state = run.states.get(key)
+        if state is None:
+            state = _State(None, _GradBox(), [], [], [])
+            run.put_state(key, state)
+        state.leaves += leaves
+        if self.plans[name].impls[impl_name].grad_in_place:  # (a pass-through: add, sub)
+            state.in_place.add(name)
+        state.params += [p for p in self.plans[name].params if all(p is not q for q in state.params)]
+        new = saved - state.saved
+        state.saved |= new
+        run.saved_refs.update(new)
+        if name in group.external:
+            state.outputs += [(name, i) for i, _ in outs]
+            run.pending += [t for _, t in outs]
+        if name != group.members[-1]:
+            run.linked[name] = out
+            return
+        if run.pending:
+            with torch.enable_grad():
+                state.root = _Root.apply(state.box, *run.pending)
+        run.pending = []
+        run.linked.clear()
 
     def _may_reuse(self, run: _StepRun, plan: _Plan, freed: frozenset[str]) -> bool:
         """The node's first input may be overwritten: the schedule frees it right after this
@@ -343,36 +461,44 @@ class ScheduleExecutor:
                     return False
             elif not isinstance(y, (int, float)) or isinstance(y, bool):
                 return False
-        if not _is_dense(x) or not x.is_contiguous():
+        if x.numel() == 0 or not _is_dense(x) or not x.is_contiguous():
             return False
         key = x.untyped_storage().data_ptr()
-        if any(key in st.saved for st in run.states.values()):
-            return False
-        for other_name, v in run.env.items():
-            if (
-                other_name != first.name
-                and isinstance(v, torch.Tensor)
-                and v.untyped_storage().data_ptr() == key
-            ):
-                return False
-        return True
+        return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
 
     def backward(self, run: _StepRun, name: str) -> None:
-        state = run.states.pop(name, None)
-        grads = run.grads.pop(name, None)
+        group = self.group_of.get(name)
+        if group is not None:
+            if _group_key(group) not in run.states:
+                return  # the group's backward already ran, at its first member's step
+            for op, node in group.frees:  # the frees of its stage range, before the engine runs
+                if op == "free_value":
+                    run.pop_value(node)
+                else:
+                    run.pop_state(node)
+            state = run.pop_state(_group_key(group))
+            members = group.members
+        else:
+            state = run.pop_state(name)
+            members = (name,)
         if state is None:
+            grads = run.grads.pop(name, None)
             if grads is not None and any(g is not None for g in grads):
                 raise ScheduleRuntimeError(f"backward of {name!r}: its backward state is not held")
             return
-        if grads is None or all(grads[p] is None for p in state.grad_positions):
+        slots = {m: run.grads.pop(m, None) for m in members}
+        fed = [None if slots[m] is None else slots[m][pos] for m, pos in state.outputs]
+        del slots
+        if state.root is None or all(g is None for g in fed):
             return
-        fed = [grads[p] for p in state.grad_positions]
-        del grads
         if state.in_place:
-            fed = [g if g is None or self._owned(run, name, g) else g.clone() for g in fed]
+            fed = [
+                g if g is None or m not in state.in_place or self._owned(run, m, g) else g.clone()
+                for (m, _), g in zip(state.outputs, fed)
+            ]
         state.box.grads = fed
         del fed
-        params = self.plans[name].params
+        params = state.params
         # autograd.grad, not backward: parameter gradients come back to us and leave through
         # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
         # Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
@@ -455,9 +581,7 @@ class ScheduleExecutor:
             self._run_stage(run, si, recompute=True)
         input_grads = run.input_grads
         input_grads.update({("param", k): v for k, v in run.param_grads.items()})
-        run.env.clear()
-        run.states.clear()
-        run.grads.clear()
+        run.clear()
         return input_grads
 
     def _run_stage(self, run: _StepRun, si: int, recompute: bool) -> None:
@@ -468,11 +592,15 @@ class ScheduleExecutor:
             elif step.op == "backward":
                 self.backward(run, step.node)
             elif step.op == "free_value":
-                run.env.pop(step.node, None)
+                run.pop_value(step.node)
             elif step.op == "free_state":
-                run.states.pop(step.node, None)
+                run.pop_state(step.node)
             else:
                 raise ScheduleRuntimeError(f"stage {stage.name!r}: unknown step op {step.op!r}")
+
+
+def _group_key(group: Group) -> str:
+    return "#" + group.members[0]  # (fx node names never start with '#')
 
 
 def _save_rng() -> tuple:

@@ -1,0 +1,102 @@
+"""Overhead of the runtime itself: a schedule that recomputes nothing, with every node's
+default implementation, run through `MonetWrapper`, against plain PyTorch in the same run.
+
+    python benchmarks/runtime_overhead.py                          # resnet50, mobilenet_v2, googlenet, gpt
+    python benchmarks/runtime_overhead.py --models resnet18 --batch 4 --image 64 --steps 5
+
+Such a schedule does exactly plain PyTorch's arithmetic, so any step-time difference is the
+executor's own cost (per-node autograd graphs, Python bookkeeping, allocation pattern).
+Step times: `monet_opt.bench.interleaved_times` (rounds alternate the two models; each timed
+step follows an untimed step of the same model). Peaks: `monet_opt.bench.measure_step_peak`.
+Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from monet_opt.bench import interleaved_times, measure_step_peak
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from monet_opt.zoo import ModelSpec
+from solver import baselines
+
+MiB = 2**20
+
+
+def measure(spec: ModelSpec, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = spec.build().train()
+    inputs = spec.example_inputs(torch.device("cpu"))
+    problem = build_problem(model, inputs, progress=False)
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=inputs)
+    plain_peak = measure_step_peak(model, inputs)
+    peak = measure_step_peak(wrapped, inputs)
+    plain_s, step_s = interleaved_times(model, wrapped, inputs, steps)
+    return {
+        "model": spec.describe(),
+        "nodes": len(problem.nodes),
+        "plain_peak": plain_peak,
+        "peak": peak,
+        "plain_s": plain_s,
+        "step_s": step_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="resnet50,mobilenet_v2,googlenet,gpt")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=11, help="timed steps per model (median)")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+
+    rows = []
+    for name in args.models.split(","):
+        spec = ModelSpec(name, batch=args.batch, image=args.image, seq=args.seq)
+        print(f"{spec.describe()} ...", flush=True)
+        r = measure(spec, args.steps)
+        rows.append(r)
+        print(
+            f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
+            f"({r['step_s'] / r['plain_s'] - 1:+.1%}); peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
+            flush=True,
+        )
+
+    lines = [
+        "# Runtime overhead: no-recompute schedule vs plain PyTorch",
+        "",
+        f"`python benchmarks/runtime_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        f"({datetime.datetime.now().isoformat(timespec='minutes')}, torch {torch.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end)",
+        "",
+        "| model | nodes | plain ms | wrapped ms | overhead | plain MiB | wrapped MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
+            f"{r['step_s'] / r['plain_s'] - 1:+.1%} | {r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "runtime_overhead.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    print("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
