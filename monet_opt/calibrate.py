@@ -50,6 +50,7 @@ def in_situ_times(
     saved = _save_model_state(model)  # before tracing: it may draw random numbers too
     wrapped = MonetWrapper(model, no_recompute(problem, impls=pick), example_inputs=example_inputs)
     ex = wrapped.executor
+    ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
     fwd: dict[str, list[float]] = defaultdict(list)
     bwd: dict[str, list[float]] = defaultdict(list)
     recording = [False]

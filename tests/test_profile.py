@@ -110,6 +110,11 @@ def test_in_situ_calibration_times_every_implementation_and_restores_the_model(b
             alt_changed += abs(s1 - s0) > 1e-6 * s0
     assert changed > len(raw.nodes) // 2
     assert alt_changed > 0
+    # every backward timed where it runs: not the whole backward credited to one node (as when
+    # a shared autograd graph ran every node's backward in its first member's step)
+    bwd = [n.impls[0].bwd_time for n in cal.nodes if n.requires_backward]
+    assert max(bwd) < 0.5 * sum(bwd)
+    assert sum(1 for n in cal.nodes if n.requires_backward and n.impls[0].bwd_time > 1e-5) > len(bwd) // 2
 
 
 def test_times_measured_on_a_busy_cpu_are_measured_again_when_quiet(monkeypatch, tmp_path):

@@ -277,6 +277,12 @@ class ScheduleExecutor:
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
         }
 
+    def separate_graphs(self) -> None:
+        """Give every node its own graph and backward call again (no groups): per-node timing
+        (`monet_opt.calibrate`) needs each backward step to do its own node's work."""
+        self.groups = []
+        self.group_of = {}
+
     def _check_schedule(self) -> None:
         for stage in self.schedule.stages:
             for step in stage.steps:
