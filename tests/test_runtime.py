@@ -332,6 +332,9 @@ def test_plain_runs_share_one_autograd_graph(monkeypatch):
     steps back to back) share one graph and one backward call: the whole model when nothing
     is recomputed, each recomputed segment under sqrt(n) checkpointing. Gradients stay equal
     and the peak as predicted."""
+    from monet_opt.runtime import executor
+
+    monkeypatch.setattr(executor, "_GROUPS", True)
     model, x, problem = setup("resnet18")
     schedule = baselines.no_recompute(problem)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
@@ -357,10 +360,13 @@ def test_plain_runs_share_one_autograd_graph(monkeypatch):
     check_schedule("resnet18", schedule)
 
 
-def test_gradient_writing_implementations_stay_out_of_shared_graphs():
+def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch):
     """An implementation that writes into the gradient it is fed (bit-mask ReLU, in-place-gradient
     BatchNorm) keeps its own graph: inside a shared one, autograd may hand that buffer to a
     second branch too (a residual add passes its gradient on to both inputs)."""
+    from monet_opt.runtime import executor
+
+    monkeypatch.setattr(executor, "_GROUPS", True)
     model, x, problem = setup("resnet18")
     pick = {}
     for n in problem.nodes:
