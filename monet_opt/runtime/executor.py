@@ -108,9 +108,8 @@ class _State:
     outputs: list[tuple[str, int]]  # (node, flat output position) fed to the root, needing grad
     leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
     params: list[torch.Tensor]  # parameters whose gradients the local graph gives
-    in_place: set[str] = field(
-        default_factory=set
-    )  # nodes whose backward overwrites (or passes on) its gradient
+    # nodes whose backward overwrites (or passes on) the gradient it is fed
+    in_place: set[str] = field(default_factory=set)
     saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
 
 
@@ -166,6 +165,7 @@ class _StepRun:
             self.value_keys,
             self.saved_refs,
             self.linked,
+            self.pending,
         ):
             held.clear()
 
