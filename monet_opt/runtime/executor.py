@@ -42,10 +42,8 @@ from monet_opt.ops.base import Implementation
 from monet_opt.runtime.groups import Group, find_groups
 from solver.schedule import Schedule
 
-# shared graphs are opt-in: on googlenet (tests, budget 1.0 and 0.6) the grouped backward peaked
-# 30 KB over the predicted peak (engine order differs from the schedule); until the memory
-# model or the grouping rule accounts for it, MONET_OPT_GROUPS=1 turns them on
-_GROUPS = os.environ.get("MONET_OPT_GROUPS", "0") == "1"
+# shared autograd graphs (runtime/groups.py) are on unless MONET_OPT_GROUPS=0
+_GROUPS = os.environ.get("MONET_OPT_GROUPS", "1") == "1"
 
 
 class ScheduleRuntimeError(RuntimeError):
@@ -94,6 +92,26 @@ class _Leaf(torch.autograd.Function):
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # makes _Leaf outputs require grad
+
+
+class _Dense(torch.autograd.Function):
+    """Identity whose backward makes a slice of a larger gradient a dense copy, as `_Leaf`
+    does. Inside a group, a member's input from another member is the real output; the
+    backward of cat or stack hands each input a slice of the output's gradient, and the
+    engine would keep that whole gradient alive until the last slice is consumed (the memory
+    model, and separate graphs, free each input's share as its backward finishes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad if _is_dense(grad) else grad.clone()
+
+
+# ops whose backward returns slices of the gradient it is fed
+_SLICING_BACKWARD = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -316,12 +334,24 @@ class ScheduleExecutor:
                 f"node {node.name!r} is needed but its value is not held (the schedule freed it)"
             ) from None
 
-    def _args(self, run: _StepRun, node: fx.Node, grad: bool):
+    def _args(self, run: _StepRun, node: fx.Node, grad: bool, member: bool = False):
+        """The node's arguments. With grad, each floating-point input that needs a gradient comes
+        through a `_Leaf` (its gradient lands in a box); a group member (`member`) shares its
+        leaves with the later members, so the engine sums their gradients into one tensor
+        instead of each member's leaf holding its own until the group's backward ends."""
         leaves: list[tuple[str, int, _GradBox]] = []
+        slicing = self.plans[node.name].target in _SLICING_BACKWARD
 
         def load(arg: fx.Node) -> Any:
             if grad and arg.name in run.linked:
-                return run.linked[arg.name]  # from a member of the running group: graph attached
+                value = run.linked[arg.name]  # from a member of the running group: graph attached
+                if not slicing:
+                    return value
+                flat, spec = tree_flatten(value)
+                dense = [
+                    _Dense.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat
+                ]
+                return tree_unflatten(dense, spec)
             value = self._value_of(run, arg)
             if not grad or arg.op == "get_attr":
                 return value
@@ -338,7 +368,10 @@ class ScheduleExecutor:
                     out.append(_Leaf.apply(box, _ANCHOR, t))
                 else:
                     out.append(t)
-            return tree_unflatten(out, spec)
+            value = tree_unflatten(out, spec)
+            if member:
+                run.linked[arg.name] = value
+            return value
 
         args = fx.node.map_arg(node.args, load)
         kwargs = fx.node.map_arg(node.kwargs, load)
@@ -363,7 +396,7 @@ class ScheduleExecutor:
         impl = plan.impls[impl_name]
         reuse = plan.reuse if impl_name == "default" and self._may_reuse(run, plan, freed) else None
         with torch.enable_grad() if grad else torch.no_grad():
-            args, kwargs, leaves = self._args(run, plan.node, grad)
+            args, kwargs, leaves = self._args(run, plan.node, grad, grad and name in self.group_of)
         rng_ctx = None
         before = None
         if plan.random:

@@ -25,6 +25,11 @@ member is the real output, not a detached copy), and at the first member backwar
 runs one `autograd.grad` over the whole group, after doing the frees up to its last
 member backward (freeing earlier only lowers the peak). Inside that call the autograd
 engine frees each member's saved tensors and gradients as it goes, as in plain PyTorch.
+Two places where the engine would hold more than the memory model says are handled by the
+executor: members reading the same value from outside the group share one leaf (one
+summed gradient, not one per reader, all alive until the call ends), and the inputs of a
+cat or stack get dense copies of their gradient slices (the engine would keep the whole
+output gradient until the last slice is consumed).
 """
 
 from __future__ import annotations
