@@ -382,6 +382,18 @@ def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch)
     check_schedule("resnet18", schedule)
 
 
+def _check_not_above_prediction(model, wrapped, x, problem, schedule) -> None:
+    """Gradients equal to plain PyTorch's; measured peak not above the simulator's."""
+    plain = copy.deepcopy(model)
+    expected = grads_after_step(plain, plain, x)
+    got = grads_after_step(wrapped, model, x)
+    for key in expected:
+        assert_grads_close(got[key], expected[key], f"grad of {key}")
+    peak, _ = measure_step(wrapped, (x,), steps=1)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= predicted, f"measured {peak} over predicted {predicted}"
+
+
 class _Branches(torch.nn.Module):
     """Four branches concatenated; the first-created one (its backward runs last) is wide
     inside, the others have wide outputs."""
@@ -414,14 +426,7 @@ def test_shared_graph_does_not_pin_the_gradient_of_a_cat(monkeypatch):
     schedule = baselines.no_recompute(problem)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     assert len(wrapped.executor.groups) == 1
-    plain = copy.deepcopy(model)
-    expected = grads_after_step(plain, plain, x)
-    got = grads_after_step(wrapped, model, x)
-    for key in expected:
-        assert_grads_close(got[key], expected[key], f"grad of {key}")
-    peak, _ = measure_step(wrapped, (x,), steps=1)
-    predicted = solver.simulate(problem, schedule).peak_bytes
-    assert peak <= predicted, f"measured {peak} over predicted {predicted}"
+    _check_not_above_prediction(model, wrapped, x, problem, schedule)
 
 
 class _Fork(torch.nn.Module):
@@ -455,14 +460,7 @@ def test_shared_graph_sums_the_gradient_of_an_outside_input_once(monkeypatch):
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     (group,) = wrapped.executor.groups
     assert {"a", "b", "c"} <= set(group.members) and "relu" not in group.members
-    plain = copy.deepcopy(model)
-    expected = grads_after_step(plain, plain, x)
-    got = grads_after_step(wrapped, model, x)
-    for key in expected:
-        assert_grads_close(got[key], expected[key], f"grad of {key}")
-    peak, _ = measure_step(wrapped, (x,), steps=1)
-    predicted = solver.simulate(problem, schedule).peak_bytes
-    assert peak <= predicted, f"measured {peak} over predicted {predicted}"
+    _check_not_above_prediction(model, wrapped, x, problem, schedule)
 
 
 class _WithLoss(torch.nn.Module):
