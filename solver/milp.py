@@ -125,6 +125,11 @@ class _Model:
 INF = float("inf")
 # how many nodes back (topological index) a backward stage may recompute; None: unbounded
 AUTO_WINDOWS = (6, 12, 24, None)
+# time mode: the share of the time a MILP leaves for `_polish` if it runs out of time, the
+# band of backward stages each polishing sub-MILP may change, and its time limit
+POLISH_SHARE = 0.4
+POLISH_SPAN = 16
+POLISH_SUB_LIMIT_S = 5.0
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 
@@ -566,6 +571,20 @@ class Formulation:
         bwd = sum(min(im.bwd_time for im in an.impls[t]) for t in an.bw)
         return fwd + bwd
 
+    def band_columns(self, stages: range, nodes: range) -> set[int]:
+        """The columns of backward stages `stages` and the forward choices of `nodes`."""
+        cols: set[int] = set()
+        for s in stages:
+            cols.update(self.S[s].values())
+            for table in (self.A[s], self.R[s]):
+                for group in table.values():
+                    cols.update(group)
+        for i in nodes:
+            cols.update(self.k[i])
+            cols.update(self.A[0].get(i, ()))
+            cols.add(self.S[0][i])
+        return cols
+
     def objective(self, x: np.ndarray) -> float:
         return float(np.asarray(self.md.cost) @ x)
 
@@ -577,7 +596,9 @@ class Formulation:
         threads: int = 2,
         warm: np.ndarray | None = None,
         verbose: bool = False,
+        fixed: dict[int, float] | None = None,
     ) -> MilpResult:
+        """fixed: column -> value, held there (the neighbourhoods of `_polish`)."""
         import highspy
 
         t_enter = time.perf_counter()
@@ -598,8 +619,15 @@ class Formulation:
         lp.num_col_ = self.n_cols
         lp.num_row_ = self.n_rows
         lp.col_cost_ = np.asarray(md.cost, dtype=float)
-        lp.col_lower_ = np.asarray(md.lb, dtype=float)
-        lp.col_upper_ = np.asarray(md.ub, dtype=float)
+        col_lower = np.asarray(md.lb, dtype=float)
+        col_upper = np.asarray(md.ub, dtype=float)
+        if fixed:
+            cols = np.fromiter(fixed.keys(), dtype=int, count=len(fixed))
+            vals = np.fromiter(fixed.values(), dtype=float, count=len(fixed))
+            col_lower[cols] = vals
+            col_upper[cols] = vals
+        lp.col_lower_ = col_lower
+        lp.col_upper_ = col_upper
         lp.row_lower_ = np.asarray(md.r_lo, dtype=float)
         lp.row_upper_ = np.asarray(md.r_hi, dtype=float)
         A = self.matrix()
@@ -947,9 +975,30 @@ def _ladder(
     what = "peak" if budget_bytes is None else "time"
     best = None
     best_index = -1
+    best_form = None
     attempts: list[dict] = []
     results: list[tuple] = []  # (window, MilpResult, warm start accepted)
     last = None
+
+    def accept(plan, objective: float, index: int) -> bool:
+        """Keep `plan` if it replays, fits, and beats the best so far."""
+        nonlocal best, best_index
+        try:
+            sched = to_schedule(an, plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
+            sim = simulate(problem, sched)
+        except (PlanError, ScheduleInvalid) as exc:
+            log(verbose, f"MILP solution did not replay: {exc}")
+            return False
+        if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+            log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
+            return False
+        key = (sim.peak_bytes, sim.time_s) if budget_bytes is None else (sim.time_s,)
+        if best is not None and key >= best[3]:
+            return False
+        best = (sched, objective, plan, key)
+        best_index = index
+        return True
+
     for w in window_ladder(window, an.n):
         remaining = deadline - time.perf_counter()
         if remaining < 1.0 and last is not None:
@@ -969,8 +1018,10 @@ def _ladder(
             f"MILP ({what}), recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
             f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
         )
+        # time mode keeps a share for polishing the incumbent if this MILP runs out of time
+        share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
         res = form.solve_highs(
-            max(0.5, remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
+            max(0.5, share * remaining), mip_gap=mip_gap, threads=threads, warm=warm, verbose=verbose
         )
         last = (w, res)
         results.append((w, res, warm is not None))
@@ -991,24 +1042,16 @@ def _ladder(
             f"HiGHS ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
             f"gap {res.gap}, {res.solve_time_s:.1f} s",
         )
-        if res.plan is not None:
-            try:
-                sched = to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
-                sim = simulate(problem, sched)
-            except (PlanError, ScheduleInvalid) as exc:
-                log(verbose, f"MILP solution did not replay: {exc}")
-                sim = None
-            if sim is not None and budget_bytes is not None and sim.peak_bytes > budget_bytes:
-                log(verbose, f"MILP schedule peak {sim.peak_bytes} > budget {budget_bytes}")
-                sim = None
-            if sim is not None:
-                key = (sim.peak_bytes, sim.time_s) if budget_bytes is None else (sim.time_s,)
-                if best is None or key < best[3]:
-                    best = (sched, res.objective, res.plan, key)
-                    warm_plan = res.plan
-                    best_index = len(results) - 1
+        if res.plan is not None and accept(res.plan, res.objective, len(results) - 1):
+            best_form = form
+            warm_plan = res.plan
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
+    if best is not None and budget_bytes is not None and results[best_index][1].status == "time_limit":
+        # (an optimal MILP's plan cannot be improved within its window)
+        _polish(
+            best_form, best[2], deadline, threads, verbose, lambda plan, obj: accept(plan, obj, best_index)
+        )
     # the tightest proven gap for the best plan: from the MILP that found it, or a later (wider)
     # one that had it as an accepted warm start (so the plan lies in that MILP's feasible set)
     proven = None
@@ -1021,6 +1064,50 @@ def _ladder(
             if proven is None or gap <= proven[1]:
                 proven = (w, gap, res.status)
     return _LadderResult(best[:3] if best else None, last, attempts, proven)
+
+
+def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> None:
+    """Large-neighbourhood search on a time-mode incumbent, until `deadline`.
+
+    HiGHS can spend a whole time limit in root cut rounds on a hard budget (ResNet-50 b8 224
+    at 0.33: 50 s at node 0, incumbent never improved). Here the same MILP is solved again with
+    every integer column fixed to the incumbent except those of a band of POLISH_SPAN backward
+    stages and the forward choices of the nodes they may recompute; bands slide by half a span
+    over all stages, and passes repeat while one improves. Each sub-MILP is small, so HiGHS
+    solves it, and every improved plan is a plan of `form`'s MILP (its dual bound still bounds
+    it). `accept(plan, objective)` replays and keeps a plan."""
+    an = form.an
+    integer = np.flatnonzero(np.asarray(form.md.integer))
+    x = form.plan_to_vector(plan)
+    current = form.objective(x)
+    stride = max(1, POLISH_SPAN // 2)
+    improved = True
+    passes = 0
+    while improved:
+        improved = False
+        passes += 1
+        for start in range(0, an.T, stride):
+            remaining = deadline - time.perf_counter()
+            if remaining < 1.0:
+                return
+            stages = range(start, min(an.T, start + POLISH_SPAN))
+            ts = [an.bw[s] for s in stages]
+            nodes = range(max(0, min(ts) - POLISH_SPAN), max(ts) + 1)
+            free = form.band_columns(stages, nodes)
+            fixed = {int(c): float(round(x[c])) for c in integer if c not in free}
+            res = form.solve_highs(
+                min(remaining, POLISH_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+            )
+            if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
+                continue
+            if accept(res.plan, res.objective):
+                log(
+                    verbose,
+                    f"polish pass {passes}, stages {start}-{stages[-1]}: {current:.4f} -> {res.objective:.4f}",
+                )
+                x = form.plan_to_vector(res.plan)
+                current = res.objective
+                improved = True
 
 
 def window_ladder(window, n: int) -> list[int | None]:

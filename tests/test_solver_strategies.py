@@ -268,3 +268,35 @@ def test_milp_accepts_multilevel_plans_on_attention_blocks(layers):
             tight = Formulation(an, peak - 1, window=window, warm_plan=plan)
             assert tight.violations(tight.plan_to_vector(plan)), "MILP accepts a plan over budget"
     assert recomputed == attention  # the pattern is exercised: every attention is recomputed
+
+
+@pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
+def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
+    """The large-neighbourhood search that spends the time a MILP leaves when it runs out:
+    started from sqrt(n) checkpointing, re-solving bands of stages finds faster plans, each a
+    valid schedule that fits."""
+    import time
+
+    from solver.milp import _polish
+    from solver.plan import to_schedule
+    from solver.schedule import SolverInfo
+
+    p = PROBLEMS[name]
+    start = B.chen_sqrt(p)
+    budget = start.predicted_peak_bytes
+    an = B.analysis(p)
+    plan = B.plan_of(p, start)
+    form = Formulation(an, budget, window=6, warm_plan=plan)
+    assert not form.violations(form.plan_to_vector(plan))
+    times = [start.predicted_time_s]
+
+    def accept(plan, objective):
+        sched = to_schedule(an, plan, "milp", SolverInfo(name="highs-milp"), budget)
+        sim = _check(p, sched, budget)  # every plan it proposes replays and fits
+        if sim.time_s >= times[-1]:  # (as solve() does: a plan no faster is not taken)
+            return False
+        times.append(sim.time_s)
+        return True
+
+    _polish(form, plan, time.perf_counter() + 20.0, threads=2, verbose=False, accept=accept)
+    assert len(times) > 1, "no band improved sqrt(n) checkpointing"
