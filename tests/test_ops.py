@@ -101,7 +101,7 @@ def test_registry_first_is_default_and_listing():
     for op, target in cases:
         names = [i.name for i in implementations_for(op, target)]
         assert names[0] == "default" and len(set(names)) == len(names)
-    assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask", "inplace_grad"]
+    assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask", "inplace_grad", "input_activated"]
     assert list(impls("call_module", nn.MaxPool2d(3, 2, 1))) == ["default", "indices"]
     assert list(impls("call_module", nn.MaxPool2d(2, return_indices=True))) == ["default"]
     bn = nn.BatchNorm2d(3)
@@ -209,7 +209,7 @@ def test_relu_implementations_match(op, target):
     g = torch.randn_like(ref)
     ref_g = grads_of(ref, [x], g)
     found = impls(op, target)
-    assert set(found) == {"default", "bitmask", "inplace_grad"}
+    assert set(found) == {"default", "bitmask", "inplace_grad", "input_activated"}
     for impl in found.values():
         xi = x0.clone().requires_grad_()
         y = run(impl, target, (xi,))
@@ -235,6 +235,24 @@ def test_relu_bitmask_saves_one_thirtysecond():
     assert d == x.numel() * 4
     assert b == x.numel() // 8
     assert b * 32 == d
+
+
+def test_relu_input_activated_keeps_its_input_not_its_output():
+    """The backward state is the input's storage (shared with whatever else keeps it, e.g. an
+    output-activated BatchNorm before it), never the output's."""
+    target = nn.ReLU()
+    impl = impls("call_module", target)["input_activated"]
+    x = torch.randn(8, 16, 14, 14, requires_grad=True)
+    kept = []
+
+    def pack(t):
+        kept.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = run(impl, target, (x,))
+    assert kept == [x.untyped_storage().data_ptr()]
+    assert y.untyped_storage().data_ptr() not in kept
 
 
 @pytest.mark.parametrize(
@@ -827,6 +845,7 @@ def test_batchnorm_recompute_then_backward(name):
 INPLACE_GRAD_CASES = [
     (nn.ReLU(), "bitmask"),
     (nn.ReLU(), "inplace_grad"),
+    (nn.ReLU(), "input_activated"),
     (nn.ReLU6(), "bitmask"),
     (nn.BatchNorm2d(8), "output_activated"),
     (nn.BatchNorm2d(8), "inplace_grad"),

@@ -138,6 +138,24 @@ def test_in_place_gradient_implementations(strategy, name):
     assert peak <= default_peak, f"{name}: in-place gradients measured {peak}, defaults {default_peak}"
 
 
+@pytest.mark.parametrize("strategy", ["no_recompute", "chen_sqrt"])
+def test_output_activated_batchnorm_with_input_activated_relu(strategy):
+    """Conv -> BN -> ReLU keeping one activation: the BatchNorm keeps its output, the ReLU keeps
+    that same tensor as its input (not its own output). Gradients equal; measured peak as
+    predicted (the shared tensor counted once)."""
+    _, _, problem = setup("resnet18")
+    producers = {n.name: n for n in problem.nodes}
+    pair = {}
+    for node in problem.nodes:
+        before = producers.get(node.inputs[0]) if node.inputs else None
+        if node.op == "relu" and before is not None and before.op == "batchnorm2d":
+            pair[before.name], pair[node.name] = "output_activated", "input_activated"
+            bn, relu = before.impl("output_activated"), node.impl("input_activated")
+            assert bn.keeps_output and relu.keeps_inputs == (0,) and not relu.keeps_output
+    assert len(pair) >= 10
+    check_schedule("resnet18", getattr(baselines, strategy)(problem, impls=pair))
+
+
 @pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2", "googlenet", "gpt"])
 def test_multilevel_schedule_runs_with_equal_gradients(name):
     """Recursive checkpointing: values recomputed without grad, dropped and recomputed again in

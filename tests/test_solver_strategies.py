@@ -300,3 +300,49 @@ def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
 
     _polish(form, plan, time.perf_counter() + 20.0, threads=2, verbose=False, accept=accept)
     assert len(times) > 1, "no band improved sqrt(n) checkpointing"
+
+
+def test_highs_model_scaling_is_exact_and_well_ranged():
+    """The model HiGHS sees: every row's largest coefficient in [1, 2) (memory rows are bytes),
+    costs' largest in [1024, 2048), the peak column in MiB; powers of two, so column values map
+    back exactly and a scaled row holds exactly when the unscaled one does."""
+    import numpy as np
+
+    from solver.milp import _Scaling
+
+    p = PROBLEMS["resnet_bneck60"]
+    an = B.analysis(p)
+    for budget in (None, B.chen_sqrt(p).predicted_peak_bytes):
+        plan = B.plan_of(p, B.chen_sqrt(p))
+        form = Formulation(an, budget, window=6, warm_plan=plan)
+        md = form.md
+        A = form.matrix()
+        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), form.peak_col)
+        As, lo, hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
+        top = np.zeros(As.shape[0])
+        np.maximum.at(top, As.tocsc().indices, np.abs(As.tocsc().data))
+        assert top.max() <= 2.0
+        assert 1024 <= np.abs(scaled.cost).max() < 2048
+        x = form.plan_to_vector(plan)
+        xm = scaled.to_model(x)
+        assert np.array_equal(scaled.from_model(xm), x)
+        act = As @ xm
+        assert (act <= hi + 1e-9 * np.maximum(1.0, np.abs(hi))).all() and (act >= lo - 1e-9).all()
+        if form.peak_col is not None:
+            assert xm[form.peak_col] == x[form.peak_col] / 2**20
+
+
+def test_peak_milp_stops_at_the_first_plan_under_its_target():
+    """Peak mode with a target (solve() when no baseline fits): HiGHS stops once a plan's peak
+    (the model's MiB column) is under the target instead of running to its time limit."""
+    import time
+
+    p = PROBLEMS["resnet50"]
+    an = B.analysis(p)
+    start = B.chen_sqrt(p)
+    form = Formulation(an, None, window=6, warm_plan=B.plan_of(p, start))
+    form.stop_at_objective = 2.0 * start.predicted_peak_bytes / 2**20  # the warm start is under it
+    t0 = time.perf_counter()
+    res = form.solve_highs(30.0, warm=form.plan_to_vector(B.plan_of(p, start)))
+    assert time.perf_counter() - t0 < 20.0, "did not stop at a plan under the target"
+    assert res.plan is not None

@@ -7,6 +7,12 @@
   gradient); bitwise identical to torch's threshold/hardtanh backward.
 - "inplace_grad" (ReLU): keeps the output like torch, backward is torch's threshold_backward
   written into the incoming gradient (no new buffer, no temporary).
+- "input_activated" (ReLU): keeps its *input* instead of its output (x > 0 exactly where
+  relu(x) > 0, NaN included), backward written into the incoming gradient like "inplace_grad".
+  Same cost as torch's ReLU; it pays when the input is kept anyway: behind an output-activated
+  BatchNorm (which keeps that same tensor), the ReLU's output no longer has to be kept for the
+  ReLU's backward, and the next convolution can recompute it from the kept input in one cheap
+  pass. Conv -> BN -> ReLU then keeps one activation instead of two, without a bit-mask pass.
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ class ReLUInplaceGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
         return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
+
+
+class ReLUInputActivated(torch.autograd.Function):
+    """ReLU keeping its input; the backward overwrites the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.relu(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        # grad where x > 0, else 0: where relu(x) > 0, which is torch's relu backward
+        return torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=grad)
 
 
 class ReLUBitmask(torch.autograd.Function):
@@ -172,10 +193,17 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
             "torch ReLU keeping its output; backward writes the input gradient into the output's",
             grad_in_place=True,
         )
+        input_activated = Implementation(
+            "input_activated",
+            lambda t, args, kwargs, recompute: ReLUInputActivated.apply(first_tensor(args, kwargs)),
+            "ReLU keeping its input instead of its output; backward writes the input gradient into the output's",
+            grad_in_place=True,
+        )
         return [
             Implementation("default", default.run, "torch ReLU, out of place; backward keeps its output"),
             bitmask,
             inplace_grad,
+            input_activated,
         ]
     if _is_hardtanh(op, target):
 
@@ -199,6 +227,6 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
 
 FAMILY_NAME = "activation"
 IMPLEMENTATION_NAMES = {
-    "relu (nn.ReLU, F.relu, torch.relu, .relu)": ["default", "bitmask", "inplace_grad"],
+    "relu (nn.ReLU, F.relu, torch.relu, .relu)": ["default", "bitmask", "inplace_grad", "input_activated"],
     "hardtanh (nn.ReLU6, nn.Hardtanh, F.relu6, F.hardtanh)": ["default", "bitmask"],
 }
