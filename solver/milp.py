@@ -128,12 +128,13 @@ AUTO_WINDOWS = (6, 12, 24, None)
 # time mode: the share of the time a MILP leaves for `_polish` if it runs out of time, the
 # band of backward stages each polishing sub-MILP may change, and its time limit
 POLISH_SHARE = 0.4
-# time mode: a warm-started MILP that has found nothing better by the end of its root node, or
-# within this share of its time, gives the rest to `_polish` (ResNet-50 b8 224 at 0.33: HiGHS
-# never beat the multilevel warm start in 60 s; band polishing took it from +52 % to +36 %)
-STALL_SHARE = 0.5
 POLISH_SPAN = 16
 POLISH_SUB_LIMIT_S = 5.0
+# time mode: a warm-started MILP that has found nothing better by the end of its root node, or
+# within this share of its time, gives the rest to `_polish` (ResNet-50 b8 224 at 0.33, 60 s:
+# HiGHS never beat the multilevel warm start; with the hand-over +48.5 % -> +30.7 % predicted,
+# at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root heuristics needed ~25 s)
+STALL_SHARE = 0.5
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 
@@ -160,7 +161,8 @@ class Formulation:
         self.window = window
         # peak mode: the incumbent is what matters (its dual bound is no real bound anyway); on
         # ResNet-50 b8 224, window 12, heuristic effort 0.7 reached 0.373 of plain in 90 s where
-        # HiGHS' default (0.05) stalled at 0.380 for 320 s
+        # HiGHS' default (0.05) stalled at 0.380 for 320 s. Time mode: 0.3, tried once on ResNet-50
+        # b8 224 at 0.4 / 0.33 (+21.0 / +31.6 % vs +20.8 / +35.8 % at the default): within noise
         self.highs_options: dict = (
             {"mip_heuristic_effort": 0.7} if budget is None else {"mip_heuristic_effort": 0.3}
         )
@@ -656,9 +658,10 @@ class Formulation:
             for isint in md.integer
         ]
         h.passModel(lp)
-        if warm is not None:
+        warm_model = scaled.to_model(np.asarray(warm, dtype=float)) if warm is not None else None
+        if warm_model is not None:
             sol = highspy.HighsSolution()
-            sol.col_value = list(map(float, scaled.to_model(np.asarray(warm, dtype=float))))
+            sol.col_value = list(map(float, warm_model))
             sol.value_valid = True
             h.setSolution(sol)
         t0 = time.perf_counter()
@@ -675,7 +678,7 @@ class Formulation:
         under_target = [False]
         # the objective to beat before `stall_s` (model units, from the solution vector itself:
         # HiGHS' reported objective can be its presolved model's, off by a constant)
-        to_beat = float(scaled.cost @ scaled.to_model(warm)) * (1 - 1e-6) if warm is not None else INF
+        to_beat = float(scaled.cost @ warm_model) * (1 - 1e-6) if warm_model is not None else INF
         improved = [warm is None]
 
         def _improving(event) -> None:
@@ -747,7 +750,8 @@ class _Scaling:
 
     Memory rows are in bytes (coefficients ~1e8) next to 0/1 logic rows, and times are seconds
     (costs down to 1e-6): HiGHS warns that such a model is badly scaled, and it wastes its
-    time on it. Each row is scaled so that its largest coefficient lies in [1, 2), the costs so
+    time on it. Each row with a coefficient above 2 is scaled so that its largest lies in [1, 2)
+    (the 0/1 logic rows are left as they are), the costs so
     that the largest lies in [1024, 2048), and peak mode's peak column (bytes) is counted in MiB.
     Powers of two keep every coefficient, bound and solution exact."""
 

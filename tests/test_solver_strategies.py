@@ -303,7 +303,7 @@ def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
 
 
 def test_highs_model_scaling_is_exact_and_well_ranged():
-    """The model HiGHS sees: every row's largest coefficient in [1, 2) (memory rows are bytes),
+    """The model HiGHS sees: no row coefficient above 2 (memory rows were bytes),
     costs' largest in [1024, 2048), the peak column in MiB; powers of two, so column values map
     back exactly and a scaled row holds exactly when the unscaled one does."""
     import numpy as np
@@ -312,15 +312,16 @@ def test_highs_model_scaling_is_exact_and_well_ranged():
 
     p = PROBLEMS["resnet_bneck60"]
     an = B.analysis(p)
-    for budget in (None, B.chen_sqrt(p).predicted_peak_bytes):
-        plan = B.plan_of(p, B.chen_sqrt(p))
+    start = B.chen_sqrt(p)
+    plan = B.plan_of(p, start)
+    for budget in (None, start.predicted_peak_bytes):
         form = Formulation(an, budget, window=6, warm_plan=plan)
         md = form.md
         A = form.matrix()
         scaled = _Scaling(A, np.asarray(md.cost, dtype=float), form.peak_col)
         As, lo, hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
         top = np.zeros(As.shape[0])
-        np.maximum.at(top, As.tocsc().indices, np.abs(As.tocsc().data))
+        np.maximum.at(top, As.indices, np.abs(As.data))  # (As is CSC: indices are rows)
         assert top.max() <= 2.0
         assert 1024 <= np.abs(scaled.cost).max() < 2048
         x = form.plan_to_vector(plan)
