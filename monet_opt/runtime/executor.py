@@ -30,6 +30,7 @@ from __future__ import annotations
 import operator
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ class ScheduleRuntimeError(RuntimeError):
 class _GradBox:
     def __init__(self) -> None:
         self.grads: list[torch.Tensor | None] | None = None
+        # while the engine runs: takes a leaf's gradient the moment the leaf's backward runs
+        self.sink: Callable[[torch.Tensor], None] | None = None
 
 
 class _Root(torch.autograd.Function):
@@ -73,7 +76,9 @@ class _Root(torch.autograd.Function):
 class _Leaf(torch.autograd.Function):
     """An input of a node's local graph. Unlike `x.detach().requires_grad_()`, it does
     not keep x's storage alive (a leaf's AccumulateGrad would): the graph holds only
-    what the op itself saved. Its gradient lands in `box.grads`."""
+    what the op itself saved. Its gradient goes to `box.sink` as soon as it is computed
+    (into the source's accumulated gradient, as the memory model adds it right after the
+    reader's backward), or else lands in `box.grads`."""
 
     @staticmethod
     def forward(ctx, box: _GradBox, _anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +92,10 @@ class _Leaf(torch.autograd.Function):
             # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
             grad = grad.clone()
         box = ctx.box
-        box.grads = grad if box.grads is None else box.grads + grad
+        if box.sink is not None:
+            box.sink(grad)
+        else:
+            box.grads = grad if box.grads is None else box.grads + grad
         return None, None, None
 
 
@@ -112,6 +120,24 @@ class _Dense(torch.autograd.Function):
 
 # ops whose backward returns slices of the gradient it is fed
 _SLICING_BACKWARD = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
+
+
+class _Sink:
+    """A leaf's gradient goes straight to `ScheduleExecutor.accumulate` (see `_Leaf`)."""
+
+    def __init__(self, executor, run, source: str, pos: int, fed_keys: set[int]) -> None:
+        self.executor, self.run, self.source, self.pos, self.fed_keys = executor, run, source, pos, fed_keys
+
+    def __call__(self, g: torch.Tensor) -> None:
+        self.executor.accumulate(self.run, self.source, self.pos, g, self.fed_keys)
+
+
+def _only_reference(t: torch.Tensor) -> bool:
+    """Nothing but this tensor object refers to its memory (no other tensor on its storage, no
+    C++ holder such as the autograd engine's input buffers)."""
+    storage = t.untyped_storage()
+    # (the storage object made by `untyped_storage()` holds one reference of its own)
+    return t._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -334,11 +360,13 @@ class ScheduleExecutor:
                 f"node {node.name!r} is needed but its value is not held (the schedule freed it)"
             ) from None
 
-    def _args(self, run: _StepRun, node: fx.Node, grad: bool, member: bool = False):
+    def _args(self, run: _StepRun, node: fx.Node, grad: bool):
         """The node's arguments. With grad, each floating-point input that needs a gradient comes
-        through a `_Leaf` (its gradient lands in a box); a group member (`member`) shares its
-        leaves with the later members, so the engine sums their gradients into one tensor
-        instead of each member's leaf holding its own until the group's backward ends."""
+        through a `_Leaf` of its own, whose gradient is added to the source's accumulated one as
+        soon as this node's backward has made it (see `backward`). Group members do not share
+        leaves: a shared leaf's gradient is held by the engine until its last reader's backward,
+        beside the source's accumulated gradient (one activation gradient more than the memory
+        model, measured on GoogLeNet: 128 KiB over the prediction)."""
         leaves: list[tuple[str, int, _GradBox]] = []
         slicing = self.plans[node.name].target in _SLICING_BACKWARD
 
@@ -368,10 +396,7 @@ class ScheduleExecutor:
                     out.append(_Leaf.apply(box, _ANCHOR, t))
                 else:
                     out.append(t)
-            value = tree_unflatten(out, spec)
-            if member:
-                run.linked[arg.name] = value
-            return value
+            return tree_unflatten(out, spec)
 
         args = fx.node.map_arg(node.args, load)
         kwargs = fx.node.map_arg(node.kwargs, load)
@@ -396,7 +421,7 @@ class ScheduleExecutor:
         impl = plan.impls[impl_name]
         reuse = plan.reuse if impl_name == "default" and self._may_reuse(run, plan, freed) else None
         with torch.enable_grad() if grad else torch.no_grad():
-            args, kwargs, leaves = self._args(run, plan.node, grad, grad and name in self.group_of)
+            args, kwargs, leaves = self._args(run, plan.node, grad)
         rng_ctx = None
         before = None
         if plan.random:
@@ -542,7 +567,10 @@ class ScheduleExecutor:
                 for (m, _), g in zip(state.outputs, fed)
             ]
         state.box.grads = fed
+        fed_keys = {g.untyped_storage().data_ptr() for g in fed if g is not None}
         del fed
+        for source, pos, box in state.leaves:
+            box.sink = _Sink(self, run, source, pos, fed_keys)
         params = state.params
         # autograd.grad, not backward: parameter gradients come back to us and leave through
         # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
@@ -558,20 +586,24 @@ class ScheduleExecutor:
                 continue
             prev = run.param_grads.get(id(param))
             run.param_grads[id(param)] = g if prev is None else prev.add_(g)
-        for source, pos, box in state.leaves:
-            g = box.grads
-            if g is None:
-                continue
-            box.grads = None
-            if source in run.inputs:
-                prev = run.input_grads.get(source)
-                run.input_grads[source] = g if prev is None else self._add(run, prev, g)
-                continue
-            slots = run.grads.get(source)
-            if slots is None:
-                slots = [None] * run.flat_len[source]
-                run.grads[source] = slots
-            slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g)
+        for _, _, box in state.leaves:
+            box.sink = None
+
+    def accumulate(self, run: _StepRun, source: str, pos: int, g: torch.Tensor, fed_keys: set[int]) -> None:
+        """Add g, a gradient the engine has just made, to `source`'s accumulated gradient.
+
+        Runs inside the engine, which may still hold tensors: the accumulated gradient is
+        overwritten only if nothing but its slot refers to its memory (not a gradient fed to
+        the running graph, not a tensor the engine passed to another node too)."""
+        if source in run.inputs:
+            prev = run.input_grads.get(source)
+            run.input_grads[source] = g if prev is None else self._add(run, prev, g, fed_keys)
+            return
+        slots = run.grads.get(source)
+        if slots is None:
+            slots = [None] * run.flat_len[source]
+            run.grads[source] = slots
+        slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g, fed_keys)
 
     @staticmethod
     def _holders(run: _StepRun, t: torch.Tensor) -> int:
@@ -590,12 +622,18 @@ class ScheduleExecutor:
             return False
         return self._holders(run, g) == 0
 
-    def _add(self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """prev + g, in place unless prev's storage is shared (autograd may hand the same
-        gradient tensor to several leaves, or steal it into a parameter's .grad)."""
+    def _add(
+        self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor, fed_keys: set[int] = frozenset()
+    ) -> torch.Tensor:
+        """prev + g, in place unless prev's memory is shared: with another slot (autograd may
+        hand the same gradient tensor to several leaves), with g, with a gradient fed to the
+        running graph, or with anything else holding a reference (the engine's buffers)."""
+        key = prev.untyped_storage().data_ptr()
         shared = (
-            self._holders(run, prev) > 1
-            or g.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            key in fed_keys
+            or g.untyped_storage().data_ptr() == key
+            or not _only_reference(prev)
+            or self._holders(run, prev) > 1
         )
         return prev + g if shared else prev.add_(g)
 

@@ -26,10 +26,12 @@ runs one `autograd.grad` over the whole group, after doing the frees up to its l
 member backward (freeing earlier only lowers the peak). Inside that call the autograd
 engine frees each member's saved tensors and gradients as it goes, as in plain PyTorch.
 Two places where the engine would hold more than the memory model says are handled by the
-executor: members reading the same value from outside the group share one leaf (one
-summed gradient, not one per reader, all alive until the call ends), and the inputs of a
-cat or stack get dense copies of their gradient slices (the engine would keep the whole
-output gradient until the last slice is consumed).
+executor: the gradient of a value read from outside the group is added to that value's
+accumulated gradient inside the engine call, the moment the reader's backward makes it (held
+until the call ends, it sat beside the accumulated one through the later members' backward:
+GoogLeNet measured 128 KiB over its prediction where a big convolution's workspace came
+next), and the inputs of a cat or stack get dense copies of their gradient slices (the engine
+would keep the whole output gradient until the last slice is consumed).
 """
 
 from __future__ import annotations
