@@ -550,13 +550,15 @@ def build_problem(
     }
     info.update(meta or {})
     # fixed memory: the RNG state each random node saw (the runtime keeps it to replay it on
-    # recompute), and a small reserve for per-op scratch the per-node measurements miss
-    # (measured: up to 23 KB over a whole ViT-B/16 step; a few bytes on ResNets and GPT)
+    # recompute), one more while a random node runs (the forward compares the state before and
+    # after it; a recompute keeps the current state to restore it: measured 5064 B over the
+    # model on a GPT multilevel schedule without it), and a small reserve for per-op scratch the
+    # per-node measurements miss (measured: up to 23 KB over a whole ViT-B/16 step; 8 B on
+    # ResNets, GoogLeNet and GPT)
     info["random_nodes"] = random_nodes
     cpu_state, cuda_states = _save_rng()
-    rng_bytes = len(random_nodes) * sum(
-        t.numel() * t.element_size() for t in [cpu_state, *(cuda_states or [])]
-    )
+    states = len(random_nodes) + (1 if random_nodes else 0)
+    rng_bytes = states * sum(t.numel() * t.element_size() for t in [cpu_state, *(cuda_states or [])])
     info["fixed_bytes_detail"] = {"rng_states": rng_bytes, "runtime_reserve": RUNTIME_RESERVE_BYTES}
     fixed = rng_bytes + RUNTIME_RESERVE_BYTES
     problem = Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, fixed_bytes=fixed, meta=info)

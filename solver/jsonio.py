@@ -27,6 +27,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def read_json_object(path: str | Path, what: str) -> dict:
     """Read a JSON object; raise ValueError naming the file if it is missing or corrupt."""
+    if isinstance(path, str) and path.lstrip().startswith("{"):
+        raise TypeError(
+            f"{what}: expected the path of a JSON file, got JSON text; "
+            "parse it with json.loads and pass the dict to from_dict"
+        )
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{what} file not found: {path}")

@@ -68,6 +68,9 @@ def test_corrupt_and_wrong_files(tmp_path):
         Schedule.from_json(f)
     with pytest.raises(ScheduleError, match="kind"):
         Schedule.from_dict({**sd, "kind": "nope"})
+    # JSON text where a path belongs: says so (not an OSError quoting the whole text as a name)
+    with pytest.raises(TypeError, match="got JSON text"):
+        Schedule.from_json(json.dumps(sd))
 
 
 def test_fingerprint_mismatch():
