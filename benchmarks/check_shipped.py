@@ -1,0 +1,87 @@
+"""Measure every shipped schedule's peak with today's runtime, against its budget and prediction.
+
+    python benchmarks/check_shipped.py                  # all of schedules/
+    python benchmarks/check_shipped.py --only resnet50  # file names containing "resnet50"
+
+A shipped schedule records the peak measured when it was made; the runtime has changed since
+for some of them. This re-measures one training step of each (memory only: no timing, so it
+is quick and the machine's load does not matter) and writes a markdown table to
+`benchmarks/results/shipped_check.md`. Exit code 1 if any schedule measures over its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+import solver
+from monet_opt.bench import measure_step_peak
+from monet_opt.runtime import MonetWrapper
+from monet_opt.zoo import ModelSpec
+from solver.jsonio import atomic_write_text
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+
+
+def check(path: Path) -> dict:
+    schedule = solver.Schedule.from_json(path)
+    m = schedule.meta
+    spec = ModelSpec(
+        m["model"], batch=int(m["batch"]), image=int(m.get("image") or 224), seq=int(m.get("seq") or 128)
+    )
+    torch.manual_seed(0)
+    model = spec.build().train()
+    inputs = spec.example_inputs()
+    peak = measure_step_peak(MonetWrapper(model, schedule, example_inputs=inputs), inputs)
+    return {
+        "file": path.name,
+        "measured": peak,
+        "predicted": schedule.predicted_peak_bytes,
+        "budget": schedule.budget_bytes,
+        "made": m.get("date", "?")[:10],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated substrings of file names")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "shipped_check.md"))
+    args = ap.parse_args()
+    files = sorted((ROOT / "schedules").glob("*.json"))
+    if args.only:
+        files = [f for f in files if any(k in f.name for k in args.only.split(","))]
+    rows = []
+    for f in files:
+        r = check(f)
+        rows.append(r)
+        over = r["measured"] > r["budget"]
+        print(
+            f"{r['file']}: measured {r['measured'] / MiB:.2f} MiB, predicted {r['predicted'] / MiB:.2f}, "
+            f"budget {r['budget'] / MiB:.2f} ({'OVER' if over else 'fits'})",
+            flush=True,
+        )
+    lines = [
+        f"# Shipped schedules re-measured ({datetime.date.today()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)",
+        "",
+        "One training step per schedule with today's runtime; `python benchmarks/check_shipped.py`.",
+        "",
+        "| schedule | made | measured MiB | predicted MiB | budget MiB | measured - budget MiB |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['file']} | {r['made']} | {r['measured'] / MiB:.2f} | {r['predicted'] / MiB:.2f} | "
+            f"{r['budget'] / MiB:.2f} | {(r['measured'] - r['budget']) / MiB:+.2f} |"
+        )
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    return 1 if any(r["measured"] > r["budget"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
