@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 import solver
-from monet_opt.bench import measure_step_peak
+from monet_opt.bench import measure_step_peak, spec_of
 from monet_opt.runtime import MonetWrapper
-from monet_opt.zoo import ModelSpec
 from solver.jsonio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +29,7 @@ MiB = 2**20
 
 def check(path: Path) -> dict:
     schedule = solver.Schedule.from_json(path)
-    m = schedule.meta
-    spec = ModelSpec(
-        m["model"], batch=int(m["batch"]), image=int(m.get("image") or 224), seq=int(m.get("seq") or 128)
-    )
+    spec = spec_of(schedule)
     torch.manual_seed(0)
     model = spec.build().train()
     inputs = spec.example_inputs()
@@ -43,7 +39,7 @@ def check(path: Path) -> dict:
         "measured": peak,
         "predicted": schedule.predicted_peak_bytes,
         "budget": schedule.budget_bytes,
-        "made": m.get("date", "?")[:10],
+        "made": schedule.meta.get("date", "?")[:10],
     }
 
 

@@ -149,21 +149,26 @@ class BenchResult:
 
 def bench_schedule(schedule: Schedule, steps: int = 3, device: str | None = None) -> BenchResult:
     """Rebuild the schedule's model from its metadata and measure it against plain PyTorch."""
+    spec = spec_of(schedule)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = spec.build().to(dev).train()
+    inputs = spec.example_inputs(dev)
+    return bench_model(model, inputs, schedule, steps, name=spec.describe())
+
+
+def spec_of(schedule: Schedule):
+    """The zoo model (and input size) a schedule's metadata records."""
     from monet_opt.zoo import ModelSpec
 
     meta = schedule.meta
     if "model" not in meta:
         raise ValueError("this schedule does not record its model (meta.model); bench it from Python instead")
-    spec = ModelSpec(
+    return ModelSpec(
         meta["model"],
         batch=int(meta["batch"]),
         image=int(meta.get("image", 224)),
         seq=int(meta.get("seq", 128)),
     )
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = spec.build().to(dev).train()
-    inputs = spec.example_inputs(dev)
-    return bench_model(model, inputs, schedule, steps, name=spec.describe())
 
 
 def bench_model(

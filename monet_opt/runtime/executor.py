@@ -27,6 +27,7 @@ The executor follows `solver.simulate`'s memory model step by step:
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from collections import Counter
@@ -54,7 +55,7 @@ class ScheduleRuntimeError(RuntimeError):
 class _GradBox:
     def __init__(self) -> None:
         self.grads: list[torch.Tensor | None] | None = None
-        # while the engine runs: takes a leaf's gradient the moment the leaf's backward runs
+        # a leaf's: set while the engine runs, takes the gradient the moment the leaf's backward runs
         self.sink: Callable[[torch.Tensor], None] | None = None
 
 
@@ -78,7 +79,7 @@ class _Leaf(torch.autograd.Function):
     not keep x's storage alive (a leaf's AccumulateGrad would): the graph holds only
     what the op itself saved. Its gradient goes to `box.sink` as soon as it is computed
     (into the source's accumulated gradient, as the memory model adds it right after the
-    reader's backward), or else lands in `box.grads`."""
+    reader's backward)."""
 
     @staticmethod
     def forward(ctx, box: _GradBox, _anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -91,11 +92,7 @@ class _Leaf(torch.autograd.Function):
             # a slice of a larger gradient (cat, split) or an expanded one: keep a dense copy,
             # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
             grad = grad.clone()
-        box = ctx.box
-        if box.sink is not None:
-            box.sink(grad)
-        else:
-            box.grads = grad if box.grads is None else box.grads + grad
+        ctx.box.sink(grad)
         return None, None, None
 
 
@@ -120,16 +117,6 @@ class _Dense(torch.autograd.Function):
 
 # ops whose backward returns slices of the gradient it is fed
 _SLICING_BACKWARD = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
-
-
-class _Sink:
-    """A leaf's gradient goes straight to `ScheduleExecutor.accumulate` (see `_Leaf`)."""
-
-    def __init__(self, executor, run, source: str, pos: int, fed_keys: set[int]) -> None:
-        self.executor, self.run, self.source, self.pos, self.fed_keys = executor, run, source, pos, fed_keys
-
-    def __call__(self, g: torch.Tensor) -> None:
-        self.executor.accumulate(self.run, self.source, self.pos, g, self.fed_keys)
 
 
 def _only_reference(t: torch.Tensor) -> bool:
@@ -570,7 +557,7 @@ class ScheduleExecutor:
         fed_keys = {g.untyped_storage().data_ptr() for g in fed if g is not None}
         del fed
         for source, pos, box in state.leaves:
-            box.sink = _Sink(self, run, source, pos, fed_keys)
+            box.sink = functools.partial(self.accumulate, run, source, pos, fed_keys=fed_keys)
         params = state.params
         # autograd.grad, not backward: parameter gradients come back to us and leave through
         # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
