@@ -70,6 +70,7 @@ class MilpResult:
     build_time_s: float
     n_cols: int
     n_rows: int
+    x: np.ndarray | None = None  # the solution vector (model columns, original units)
 
 
 class _Model:
@@ -135,6 +136,12 @@ POLISH_SUB_LIMIT_S = 5.0
 # HiGHS never beat the multilevel warm start; with the hand-over +48.5 % -> +30.7 % predicted,
 # at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root heuristics needed ~25 s)
 STALL_SHARE = 0.5
+# time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
+# share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
+# many rounds (each re-fixes what agrees with the new incumbent) it may run
+RINS_LP_SHARE = 0.3
+RINS_SUB_LIMIT_S = 20.0
+RINS_ROUNDS = 4
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 
@@ -606,12 +613,15 @@ class Formulation:
         verbose: bool = False,
         fixed: dict[int, float] | None = None,
         stall_s: float | None = None,
+        relax: bool = False,
     ) -> MilpResult:
         """fixed: column -> value, held there (the neighbourhoods of `_polish`).
         stall_s: give up if HiGHS has found nothing better than `warm` by the end of its root
         node or after stall_s seconds (on hard budgets the root's cut rounds can take the whole
         limit, and branching rarely finds what the root's heuristics did not: the caller has
-        better uses for the time)."""
+        better uses for the time).
+        relax: solve the LP relaxation instead (integrality dropped); the result has `x` and the
+        LP's objective, and no plan."""
         import highspy
 
         t_enter = time.perf_counter()
@@ -654,7 +664,7 @@ class Formulation:
         lp.a_matrix_.num_col_ = self.n_cols
         lp.a_matrix_.num_row_ = self.n_rows
         lp.integrality_ = [
-            highspy.HighsVarType.kInteger if isint else highspy.HighsVarType.kContinuous
+            highspy.HighsVarType.kInteger if isint and not relax else highspy.HighsVarType.kContinuous
             for isint in md.integer
         ]
         h.passModel(lp)
@@ -722,7 +732,14 @@ class Formulation:
             status = "time_limit"
         else:
             status = status_name.replace(" ", "_")
-        plan = obj = gap = bound = None
+        plan = obj = gap = bound = x = None
+        if relax:
+            if has_sol or status == "optimal":
+                x = scaled.from_model(np.asarray(h.getSolution().col_value))
+                obj = self.objective(x)
+            return MilpResult(
+                None, status, obj, obj, None, solve_time, self.build_time_s, self.n_cols, self.n_rows, x
+            )
         if has_sol:
             x = scaled.from_model(np.asarray(h.getSolution().col_value))
             plan = self.vector_to_plan(x)
@@ -741,7 +758,7 @@ class Formulation:
         elif status != "infeasible":
             status = "no_solution"
         return MilpResult(
-            plan, status, obj, bound, gap, solve_time, self.build_time_s, self.n_cols, self.n_rows
+            plan, status, obj, bound, gap, solve_time, self.build_time_s, self.n_cols, self.n_rows, x
         )
 
 
@@ -1086,6 +1103,18 @@ def _ladder(
             f"MILP ({what}), recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
             f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
         )
+        if budget_bytes is not None and warm is not None:
+            # the plan RINS finds is a plan of this window's MILP, which starts from it
+            improved = _rins(
+                form, warm_plan, deadline, threads, verbose, lambda plan, obj: accept(plan, obj, len(results))
+            )
+            if improved is not None:
+                warm_plan = improved
+                warm = form.plan_to_vector(improved)
+                best_form = form
+            remaining = deadline - time.perf_counter()
+            if remaining < 1.0:
+                break
         # time mode keeps a share for polishing the incumbent if this MILP runs out of time
         share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
         res = form.solve_highs(
@@ -1120,7 +1149,8 @@ def _ladder(
             warm_plan = res.plan
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
-    if best is not None and budget_bytes is not None and results[best_index][1].status == "time_limit":
+    found_by = results[best_index][1].status if best is not None and best_index < len(results) else None
+    if best is not None and budget_bytes is not None and found_by in ("time_limit", None):
         # (an optimal MILP's plan cannot be improved within its window)
         _polish(
             best_form, best[2], deadline, threads, verbose, lambda plan, obj: accept(plan, obj, best_index)
@@ -1137,6 +1167,53 @@ def _ladder(
             if proven is None or gap <= proven[1]:
                 proven = (w, gap, res.status)
     return _LadderResult(best[:3] if best else None, last, attempts, proven)
+
+
+def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> Plan | None:
+    """Relaxation-induced neighbourhood search (Danna, Rothberg & Le Pape 2005) from `plan`.
+
+    Solves the LP relaxation of `form` once, then the MILP with every integer column fixed
+    where the relaxation agrees with the incumbent; repeats with the new incumbent while it
+    improves. HiGHS runs RINS itself, but only after its root cut rounds: on ResNet-50 b8 224
+    at 0.33 (window 6) those took 42 s before its RINS took the multilevel plan from +60 % to
+    +35 % predicted; the bare LP takes 2 s and the neighbourhood MILP 4 s to reach +38 %.
+    Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None."""
+    remaining = deadline - time.perf_counter()
+    if remaining < 2.0:
+        return None
+    lp = form.solve_highs(RINS_LP_SHARE * remaining, threads=threads, relax=True)
+    if lp.x is None or lp.status != "optimal":
+        log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+        return None
+    integer = np.flatnonzero(np.asarray(form.md.integer))
+    x = form.plan_to_vector(plan)
+    current = form.objective(x)
+    log(
+        verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s, incumbent {current:.4f}"
+    )
+    best = None
+    for rnd in range(RINS_ROUNDS):
+        remaining = deadline - time.perf_counter()
+        if remaining < 1.0:
+            break
+        agree = integer[np.abs(lp.x[integer] - x[integer]) < 1e-6]
+        fixed = {int(c): float(round(x[c])) for c in agree}
+        res = form.solve_highs(
+            min(remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+        )
+        if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
+            break
+        if not accept(res.plan, res.objective):
+            break
+        log(
+            verbose,
+            f"RINS round {rnd + 1} ({len(integer) - len(agree)} of {len(integer)} columns free, "
+            f"{res.solve_time_s:.1f} s): {current:.4f} -> {res.objective:.4f}",
+        )
+        best = plan = res.plan
+        x = form.plan_to_vector(plan)
+        current = res.objective
+    return best
 
 
 def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> None:

@@ -270,14 +270,10 @@ def test_milp_accepts_multilevel_plans_on_attention_blocks(layers):
     assert recomputed == attention  # the pattern is exercised: every attention is recomputed
 
 
-@pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
-def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
-    """The large-neighbourhood search that spends the time a MILP leaves when it runs out:
-    started from sqrt(n) checkpointing, re-solving bands of stages finds faster plans, each a
-    valid schedule that fits."""
-    import time
-
-    from solver.milp import _polish
+def _from_sqrt_n(name):
+    """sqrt(n) checkpointing on a test problem, at its own peak: the window-6 MILP, the plan, and
+    an `accept(plan, objective)` that checks every proposed plan replays and fits, and keeps the
+    faster ones (as solve() does) in `times`."""
     from solver.plan import to_schedule
     from solver.schedule import SolverInfo
 
@@ -293,13 +289,50 @@ def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
     def accept(plan, objective):
         sched = to_schedule(an, plan, "milp", SolverInfo(name="highs-milp"), budget)
         sim = _check(p, sched, budget)  # every plan it proposes replays and fits
-        if sim.time_s >= times[-1]:  # (as solve() does: a plan no faster is not taken)
+        if sim.time_s >= times[-1]:  # a plan no faster is not taken
             return False
         times.append(sim.time_s)
         return True
 
+    return form, plan, accept, times
+
+
+@pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
+def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
+    """The large-neighbourhood search that spends the time a MILP leaves when it runs out:
+    started from sqrt(n) checkpointing, re-solving bands of stages finds faster plans, each a
+    valid schedule that fits."""
+    import time
+
+    from solver.milp import _polish
+
+    form, plan, accept, times = _from_sqrt_n(name)
     _polish(form, plan, time.perf_counter() + 20.0, threads=2, verbose=False, accept=accept)
     assert len(times) > 1, "no band improved sqrt(n) checkpointing"
+
+
+@pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
+def test_rins_improves_a_plan_and_keeps_it_within_budget(name):
+    """RINS before each window's MILP: the LP relaxation bounds the MILP from below and the
+    neighbourhood of columns where it disagrees with sqrt(n) checkpointing holds faster plans,
+    each a valid schedule that fits, and a plan of the window's MILP (it warm-starts it)."""
+    import time
+
+    from solver.milp import _rins
+
+    form, plan, accept, times = _from_sqrt_n(name)
+    lp = form.solve_highs(20.0, relax=True)
+    assert lp.status == "optimal" and lp.plan is None
+    assert not form.violations(lp.x, tol=1e-5)
+    assert lp.objective <= form.objective(form.plan_to_vector(plan)) + 1e-9
+
+    def accept_in_window(plan, objective):
+        assert not form.violations(form.plan_to_vector(plan))
+        assert objective >= lp.objective - 1e-9  # the relaxation bounds every plan
+        return accept(plan, objective)
+
+    best = _rins(form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=accept_in_window)
+    assert best is not None and len(times) > 1, "RINS did not improve sqrt(n) checkpointing"
 
 
 def test_highs_model_scaling_is_exact_and_well_ranged():
