@@ -253,6 +253,8 @@ def run(args) -> list[Row]:
             continue
         solve_s = time.perf_counter() - t0
         schedules[f] = sched
+        # kept beside the results: a row that surprises can be re-run (`monet-opt bench FILE`)
+        sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{f:g}.json")
         row = Row(
             "monet-opt",
             label,

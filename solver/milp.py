@@ -869,8 +869,9 @@ def solve(
     """
     from solver.baselines import analysis, best_baseline, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
-    from solver.plan import PlanError
+    from solver.plan import PlanError, to_schedule
     from solver.schedule import Schedule, SolverInfo
+    from solver.simulate import simulate
 
     t_start = time.perf_counter()
     deadline = t_start + float(time_limit)
@@ -951,7 +952,8 @@ def solve(
     w_last, res_last = last
     scope = "unbounded" if w_last is None else f"{w_last} nodes"
     if best is None:
-        if res_last.status == "infeasible" and base is None:
+        last_status = "time_limit (RINS only)" if res_last is None else res_last.status
+        if last_status == "infeasible" and base is None:
             known, name = min_known_peak(problem)
             proven = "" if w_last is None else f" with a recompute window of {scope}"
             raise InfeasibleBudget(
@@ -959,7 +961,16 @@ def solve(
                 f"lower bound {lb} bytes, smallest peak found {known} bytes ({name})",
                 known,
             )
-        return fallback(f"MILP {res_last.status}")
+        if base is None and warm_plan is not None:
+            # the time MILP found nothing in the time left: the plan it started from (the peak
+            # MILP's, or start_plan) fits
+            info = SolverInfo(
+                name="highs-milp", status=f"fallback:warm-start plan ({last_status})", solve_time_s=elapsed
+            )
+            sched = to_schedule(an, warm_plan, "milp", info, budget_bytes)
+            if simulate(problem, sched).peak_bytes <= budget_bytes:
+                return sched
+        return fallback(f"MILP {last_status}")
     sched, obj, _plan = best
     if lad.proven is not None:
         w_last, gap, status = lad.proven
@@ -1039,7 +1050,7 @@ def _lowest_plan(problem) -> Plan | None:
 @dataclass
 class _LadderResult:
     best: tuple | None  # (schedule, objective, plan)
-    last: tuple  # (window, MilpResult) of the widest MILP run
+    last: tuple  # (window, MilpResult) of the widest MILP run; MilpResult None if RINS took its time
     attempts: list[dict]
     proven: tuple | None = None  # (window, gap, status) of the tightest bound on the best plan
 
@@ -1114,6 +1125,8 @@ def _ladder(
                 best_form = form
             remaining = deadline - time.perf_counter()
             if remaining < 1.0:
+                if last is None:
+                    last = (w, None)  # RINS took the time: no HiGHS run in this window
                 break
         # time mode keeps a share for polishing the incumbent if this MILP runs out of time
         share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE

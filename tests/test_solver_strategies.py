@@ -211,6 +211,30 @@ def test_solve_below_every_baseline_uses_the_peak_milp(monkeypatch):
     assert not s.solver.status.startswith("fallback")
 
 
+def test_time_spent_before_the_first_time_milp_still_returns_the_fitting_plan(monkeypatch):
+    """Below every baseline, when RINS (or anything before the time MILP's HiGHS run) takes the
+    time left, solve() returns the peak MILP's fitting plan. (It crashed on a TypeError: ResNet-50
+    b8 224 at 0.34 with a 30 s limit, the peak ladder took 75 % and RINS the rest.)"""
+    import time
+
+    import solver.milp as M
+
+    def slow_rins(form, plan, deadline, *args, **kwargs):
+        time.sleep(max(0.0, deadline - time.perf_counter()))
+        return None
+
+    monkeypatch.setattr(B, "multilevel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(M, "_rins", slow_rins)
+    p = PROBLEMS["resnet50"]
+    known = min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
+    low = minimum_peak(p, time_limit=10, verbose=False)
+    budget = (low.predicted_peak_bytes + known) // 2
+    s = solve(p, budget, time_limit=10, verbose=False)
+    _check(p, s, budget)
+    assert s.solver.status.startswith("fallback:warm-start plan")
+    assert s.budget_bytes == budget
+
+
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
 def test_multilevel_lowers_the_peak(name):
     """Recursive checkpointing reaches a peak no one-level baseline reaches (chains: O(log n)
