@@ -119,6 +119,17 @@ class _Dense(torch.autograd.Function):
 _SLICING_BACKWARD = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 
 
+def _flatten(value: Any) -> tuple[list, Any]:
+    """tree_flatten with a fast path for a bare tensor (most nodes' value): spec None."""
+    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+        return [value], None
+    return tree_flatten(value)
+
+
+def _unflatten(flat: list, spec: Any) -> Any:
+    return flat[0] if spec is None else tree_unflatten(flat, spec)
+
+
 def _only_reference(t: torch.Tensor) -> bool:
     """Nothing but this tensor object refers to its memory (no other tensor on its storage, no
     C++ holder such as the autograd engine's input buffers)."""
@@ -173,19 +184,29 @@ class _StepRun:
     linked: dict[str, Any] = field(default_factory=dict)  # a running group's outputs, graph attached
     pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
 
-    def put_value(self, name: str, value: Any) -> None:
+    def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
+        """flat: value's flattened leaves, if the caller has them."""
         if name in self.env:
-            self.value_refs.subtract(self.value_keys.pop(name))
+            self._unref(self.value_keys.pop(name))
         self.env[name] = value
-        keys = [t.untyped_storage().data_ptr() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        if flat is None:
+            flat = _flatten(value)[0]
+        keys = [t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)]
         self.value_keys[name] = keys
-        self.value_refs.update(keys)
+        refs = self.value_refs
+        for k in keys:
+            refs[k] += 1
+
+    def _unref(self, keys: list[int]) -> None:
+        refs = self.value_refs
+        for k in keys:
+            refs[k] -= 1
 
     def pop_value(self, name: str) -> None:
         self.linked.pop(name, None)
         if name in self.env:
             del self.env[name]
-            self.value_refs.subtract(self.value_keys.pop(name))
+            self._unref(self.value_keys.pop(name))
 
     def clear(self) -> None:
         for held in (
@@ -362,15 +383,15 @@ class ScheduleExecutor:
                 value = run.linked[arg.name]  # from a member of the running group: graph attached
                 if not slicing:
                     return value
-                flat, spec = tree_flatten(value)
+                flat, spec = _flatten(value)
                 dense = [
                     _Dense.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat
                 ]
-                return tree_unflatten(dense, spec)
+                return _unflatten(dense, spec)
             value = self._value_of(run, arg)
             if not grad or arg.op == "get_attr":
                 return value
-            flat, spec = tree_flatten(value)
+            flat, spec = _flatten(value)
             out = []
             for pos, t in enumerate(flat):
                 if (
@@ -383,7 +404,7 @@ class ScheduleExecutor:
                     out.append(_Leaf.apply(box, _ANCHOR, t))
                 else:
                     out.append(t)
-            return tree_unflatten(out, spec)
+            return _unflatten(out, spec)
 
         args = fx.node.map_arg(node.args, load)
         kwargs = fx.node.map_arg(node.kwargs, load)
@@ -438,7 +459,7 @@ class ScheduleExecutor:
                 out = impl.run(plan.target, args, kwargs, recompute)
         if before is not None and not _same_rng(before, _save_rng()):
             run.rng[name] = before  # the node drew random numbers: replay them when recomputed
-        flat, spec = tree_flatten(out)
+        flat, spec = _flatten(out)
         if grad:
             positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             group = self.group_of.get(name)  # (a member's one compute with autograd)
@@ -464,9 +485,8 @@ class ScheduleExecutor:
                     ),
                 )
         run.flat_len[name] = len(flat)
-        run.put_value(
-            name, tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
-        )
+        detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+        run.put_value(name, _unflatten(detached, spec), detached)
 
     def _join_group(
         self, run: _StepRun, group: Group, name: str, impl_name: str, out: Any, outs, leaves, saved
