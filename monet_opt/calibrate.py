@@ -124,7 +124,10 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
             bt = im.bwd_time * sb
             if node.requires_backward and node.name in bwd and im.bwd_time > 0:
                 bt = bwd[node.name]
-            impls.append(dataclasses.replace(im, fwd_time=ft, bwd_time=bt))
+            rt = im.recompute_time
+            if rt is not None:  # scaled as this implementation's forward was
+                rt *= ft / im.fwd_time if im.fwd_time > 0 else sf
+            impls.append(dataclasses.replace(im, fwd_time=ft, bwd_time=bt, recompute_time=rt))
         nodes.append(dataclasses.replace(node, impls=tuple(impls)))
     meta = dict(problem.meta)
     meta["in_situ_calibration"] = {k: round(v, 6) for k, v in summary.items()} | {

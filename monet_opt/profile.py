@@ -48,8 +48,8 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 5  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
-# 5: an in-place backward's workspace no longer net of the gradient buffer it was fed
+CACHE_VERSION = 6  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+# 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -228,6 +228,26 @@ def measure_node(
         times.append(time.perf_counter() - t0)
         del out
     fwd_time = statistics.median(times)
+    recompute_time = None
+    if impl.replays:
+        # a recomputation given what the first computation left in the memo
+        memo: dict = {}
+        a, k, _ = make_inputs()
+        with torch.enable_grad() if needs_grad else torch.no_grad():
+            impl.run(target, a, k, True, memo=memo)
+        if memo:
+            rtimes = []
+            for _ in range(repeats):
+                a, k, _ = make_inputs()
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.enable_grad() if needs_grad else torch.no_grad():
+                    out = impl.run(target, a, k, True, memo=memo)
+                _sync(device)
+                rtimes.append(time.perf_counter() - t0)
+                del out
+            recompute_time = statistics.median(rtimes)
+        del memo
 
     # memory: one forward (what it keeps, its workspace) then one backward (its workspace).
     # On CPU both run in one allocation-tracking session split by a mark, so memory the
@@ -343,6 +363,7 @@ def measure_node(
         p.grad = g
     return {
         "fwd_time": fwd_time,
+        "recompute_time": recompute_time,
         "bwd_time": bwd_time,
         "fwd_workspace": int(fwd_workspace),
         "bwd_workspace": int(bwd_workspace),
@@ -350,6 +371,15 @@ def measure_node(
         "keeps_output": keeps_output,
         "state_bytes": int(state_bytes),
     }
+
+
+def _memo_bytes(target: Any) -> int:
+    """Bytes a replaying implementation keeps in its memo (batch norm: mean and invstd, in
+    float32, or float64 for a float64 module)."""
+    n = getattr(target, "num_features", 0)
+    weight = getattr(target, "weight", None)
+    size = 8 if isinstance(weight, torch.Tensor) and weight.dtype == torch.float64 else 4
+    return 2 * int(n) * size
 
 
 # -- the whole model -----------------------------------------------------------------
@@ -386,6 +416,7 @@ def build_problem(
     cache = ProfileCache(device, enabled=use_cache)
 
     env: dict[str, Any] = {}
+    memo_bytes = 0  # what implementations that replay keep from a first computation for a recomputation
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for p, x in zip(placeholders, example_inputs):
         env[p.name] = x
@@ -410,6 +441,8 @@ def build_problem(
     for fx_node in fx_nodes:
         target = _resolve_target(gm, fx_node)
         impls = implementations_for(fx_node.op, target)
+        if any(i.replays for i in impls):
+            memo_bytes += _memo_bytes(target)
 
         def load(n: fx.Node) -> Any:
             return _fetch_attr(gm, n.target) if n.op == "get_attr" else env[n.name]
@@ -484,6 +517,7 @@ def build_problem(
                 Impl(
                     name=impl.name,
                     fwd_time=entry["fwd_time"],
+                    recompute_time=entry.get("recompute_time"),
                     bwd_time=entry["bwd_time"] if fx_node.name in requires_grad else 0.0,
                     fwd_workspace=entry["fwd_workspace"],
                     bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
@@ -559,8 +593,13 @@ def build_problem(
     cpu_state, cuda_states = _save_rng()
     states = len(random_nodes) + (1 if random_nodes else 0)
     rng_bytes = states * sum(t.numel() * t.element_size() for t in [cpu_state, *(cuda_states or [])])
-    info["fixed_bytes_detail"] = {"rng_states": rng_bytes, "runtime_reserve": RUNTIME_RESERVE_BYTES}
-    fixed = rng_bytes + RUNTIME_RESERVE_BYTES
+    info["fixed_bytes_detail"] = {
+        "rng_states": rng_bytes,
+        "runtime_reserve": RUNTIME_RESERVE_BYTES,
+        "replay_memos": memo_bytes,
+    }
+    # (memos counted for every node that may keep one, recomputed or not: they are small)
+    fixed = rng_bytes + RUNTIME_RESERVE_BYTES + memo_bytes
     problem = Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, fixed_bytes=fixed, meta=info)
     if calibrate and any(n.requires_backward for n in nodes):
         from monet_opt.calibrate import calibrate_in_situ

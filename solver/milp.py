@@ -287,7 +287,7 @@ class Formulation:
                     continue
                 ims = an.impls[i]
                 Rs[i] = [
-                    md.var(cost=ims[m].fwd_time + (ims[m].bwd_time if i == t else 0.0))
+                    md.var(cost=_recompute_time(ims[m]) + (ims[m].bwd_time if i == t else 0.0))
                     for m in range(nimp[i])
                 ]
             self.R.append(Rs)
@@ -1059,6 +1059,11 @@ class _LadderResult:
         return "recompute window unbounded" if w is None else f"recompute window {w} nodes"
 
 
+def _recompute_time(impl) -> float:
+    """Forward time of a computation in a backward stage (R columns)."""
+    return impl.fwd_time if impl.recompute_time is None else impl.recompute_time
+
+
 def _ladder(
     problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose, stop_at_peak=None
 ) -> _LadderResult:
@@ -1250,7 +1255,7 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
         improved = False
         passes += 1
         # bands that recompute the most first: there is the most to win, and time may run out
-        work = [sum(an.impls[i][m].fwd_time for i, m, _g in st.recompute) for st in plan.stages]
+        work = [sum(_recompute_time(an.impls[i][m]) for i, m, _g in st.recompute) for st in plan.stages]
         starts = sorted(range(0, an.T, stride), key=lambda b: -sum(work[b : b + POLISH_SPAN]))
         for start in starts:
             remaining = deadline - time.perf_counter()

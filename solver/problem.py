@@ -17,8 +17,8 @@ from pathlib import Path
 
 from solver.jsonio import atomic_write_text, read_json_object
 
-PROBLEM_FORMAT_VERSION = 2  # 2: Impl.grad_in_place (version 1 files still load)
-READABLE_VERSIONS = (1, 2)
+PROBLEM_FORMAT_VERSION = 3  # 2: Impl.grad_in_place; 3: Impl.recompute_time (older files still load)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class ProblemError(ValueError):
@@ -35,6 +35,10 @@ class Impl:
         (batch-norm statistics, a 1-bit ReLU mask, packed pooling indices, ...).
     fwd_workspace / bwd_workspace: transient bytes during the call, beyond the
         output (forward) or the new input gradients (backward).
+    recompute_time: forward time when the node runs again in a backward stage, if it
+        differs from `fwd_time` (batch norm recomputed from the batch statistics of its
+        first computation: one affine pass instead of a statistics pass and an affine
+        pass); None: the same as `fwd_time`.
     grad_in_place: position in `Node.inputs` whose gradient the backward writes into
         the buffer of the node's own output gradient (same size), so that input's
         gradient needs no new allocation; None if the backward allocates every input
@@ -51,6 +55,7 @@ class Impl:
     keeps_output: bool = False
     state_bytes: int = 0
     grad_in_place: int | None = None
+    recompute_time: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
@@ -176,6 +181,6 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                     f"node {node.name!r} impl {impl.name!r}: grad_in_place {impl.grad_in_place} "
                     f"is not an input position (the node has {len(node.inputs)} inputs)"
                 )
-            if min(impl.fwd_time, impl.bwd_time) < 0:
+            if min(impl.fwd_time, impl.bwd_time, impl.recompute_time or 0.0) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")
         seen.add(node.name)

@@ -43,8 +43,10 @@ Transient peaks:
   part of the transient; afterwards the buffer is that input's gradient, or is
   added into the existing one and freed, exactly as above.
 
-Time is the sum of `fwd_time` of every compute step and `bwd_time` of every
-backward step, with the implementation named in the step.
+Time is the sum of `fwd_time` of a node's first compute step, `recompute_time`
+(if given, else `fwd_time`) of each later one (a recomputation, which may reuse what
+the first computation left, e.g. batch statistics), and `bwd_time` of every backward step, with the implementation named in the
+step.
 
 A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
 value whose handle is not held, backs a node without its state or gradient,
@@ -128,6 +130,7 @@ class _Replay:
         time = 0.0
         recompute = 0.0
         stage_peaks: list[int] = []
+        computed: set[str] = set()
         timeline: list[tuple[str, int, int]] = []
         for s_idx, stage in enumerate(schedule.stages):
             self.stage_peak = self.live
@@ -139,7 +142,8 @@ class _Replay:
                 if node is None:
                     raise ScheduleInvalid(f"{where}: unknown node")
                 if step.op == "compute":
-                    t = self._compute(node, step.impl, step.grad, where)
+                    t = self._compute(node, step.impl, step.grad, where, again=node.name in computed)
+                    computed.add(node.name)
                     time += t
                     if s_idx > 0:
                         recompute += t
@@ -180,7 +184,9 @@ class _Replay:
                 self.live += n.grad_bytes
         self._bump()
 
-    def _compute(self, node: Node, impl_name: str | None, grad: bool, where: str) -> float:
+    def _compute(
+        self, node: Node, impl_name: str | None, grad: bool, where: str, again: bool = False
+    ) -> float:
         impl = next((i for i in node.impls if i.name == impl_name), None)
         if impl is None:
             raise ScheduleInvalid(f"{where}: no implementation {impl_name!r}")
@@ -208,6 +214,8 @@ class _Replay:
                 self._hold(h, ("s", node.name))
             self.states[node.name] = (impl, state_bytes, held)
             self.live += state_bytes
+        if again and impl.recompute_time is not None:
+            return impl.recompute_time
         return impl.fwd_time
 
     def _drop_state(self, name: str) -> None:

@@ -840,6 +840,62 @@ def test_batchnorm_recompute_then_backward(name):
         assert torch.equal(v, state[k]), k
 
 
+@pytest.mark.parametrize("name", ["default", "output_activated", "inplace_grad"])
+@pytest.mark.parametrize("cls,shape,kw", BN_CONFIGS, ids=[f"{c.__name__}-{k}" for c, _, k in BN_CONFIGS])
+def test_batchnorm_replay_from_memo_is_bitwise(name, cls, shape, kw):
+    """Given a memo, the first computation leaves its batch statistics there and a recomputation
+    is one affine pass with them: the module's output bitwise, the first computation's gradients
+    bitwise, running statistics and counter untouched by the recomputation."""
+    from monet_opt.ops.norm import replay_is_exact
+
+    assert replay_is_exact(torch.device("cpu"), torch.float32)  # the probe holds on this CPU
+    ref, mine = _bn_pair(cls, **kw)
+    impl = impls("call_module", mine)[name]
+    assert impl.replays
+    x0 = torch.randn(*shape) * 2 + 0.5
+    params_ref, params_mine = list(ref.parameters()), list(mine.parameters())
+    xr = x0.clone().requires_grad_()
+    yr = ref(xr)
+    g = torch.randn_like(yr)
+    gr = grads_of(yr, [xr] + params_ref, g)
+    memo: dict = {}
+    x1 = x0.clone().requires_grad_()
+    y1 = impl.run(mine, (x1,), {}, False, memo=memo)
+    # (the module's own op needs a weight to record autograd: non-affine defaults run in full)
+    assert ("stats" in memo) == (name != "default" or mine.affine)
+    state = _bn_state(mine)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(state[k], v), k
+    x2 = x0.clone().requires_grad_()
+    y2 = impl.run(mine, (x2,), {}, True, memo=memo)
+    assert torch.equal(y1, yr) and torch.equal(y2, yr)
+    g1 = grads_of(y1, [x1] + params_mine, g)
+    g2 = grads_of(y2, [x2] + params_mine, g)
+    assert_close_all(g2, g1, rtol=0, atol=0)  # the replay's backward is the first computation's
+    if name == "default":
+        assert_close_all(g1, gr, rtol=0, atol=0)  # (the custom backwards: float rounding, tested above)
+    for k, v in mine.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_batchnorm_replay_off_where_not_exact(monkeypatch):
+    """Where the affine replay would not be bitwise the kernel's, a recomputation given a memo
+    runs the full batch norm (statistics again), and the profiler records no recompute time."""
+    from monet_opt.ops import norm
+
+    monkeypatch.setitem(norm._EXACT, ("cpu", torch.float32), False)
+    ref, mine = _bn_pair()
+    impl = impls("call_module", mine)["default"]
+    x = torch.randn(4, 4, 5, 5)
+    memo: dict = {}
+    y1 = impl.run(mine, (x,), {}, False, memo=memo)
+    assert memo == {}
+    calls = []
+    monkeypatch.setattr(norm, "_affine", lambda *a: calls.append(a))
+    y2 = impl.run(mine, (x,), {}, True, memo=memo)
+    assert torch.equal(y1, y2) and torch.equal(y1, ref(x)) and not calls
+
+
 # ----------------------------------------------------------------------------- in-place gradients
 
 INPLACE_GRAD_CASES = [

@@ -38,6 +38,24 @@ def test_every_tensor_node_has_a_timed_implementation(built):
             assert any(i.bwd_time > 0 for i in node.impls), f"{name}: {node.name} has no backward time"
 
 
+def test_batch_norms_have_a_recompute_time_and_their_memos_are_counted():
+    """Batch norms recompute from their first computation's statistics: the profile times that
+    (recompute_time) and counts the memos (2 x C float32 each) in the fixed bytes; other nodes
+    recompute at their forward time (None)."""
+    _, model, _, problem = _build("resnet18")
+    bns = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    bn_nodes = [n for n in problem.nodes if n.op == "batchnorm2d"]
+    assert len(bn_nodes) == len(bns) == 20
+    for node in bn_nodes:
+        for impl in node.impls:
+            assert impl.recompute_time is not None and impl.recompute_time > 0, (node.name, impl.name)
+    others = [i for n in problem.nodes if n not in bn_nodes for i in n.impls]
+    assert all(i.recompute_time is None for i in others)
+    memos = sum(2 * m.num_features * 4 for m in bns.values())
+    assert problem.meta["fixed_bytes_detail"]["replay_memos"] == memos
+    assert problem.fixed_bytes >= memos
+
+
 def test_relu_bitmask_keeps_one_thirty_second():
     _, _, _, problem = _build("resnet18")
     relus = [n for n in problem.nodes if n.op == "relu"]

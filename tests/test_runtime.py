@@ -199,6 +199,38 @@ def test_replayed_rng_state_is_in_the_memory_model():
     assert peak <= predicted - reserve + LOSS_SCALARS, f"measured {peak}, predicted {predicted} - {reserve}"
 
 
+def test_recomputed_batch_norms_replay_their_statistics(monkeypatch):
+    """A schedule recomputing batch norms: each recomputation is one affine pass with the first
+    computation's batch statistics (counted), gradients bitwise plain PyTorch's, running
+    statistics as after one plain step, measured peak within the prediction."""
+    from monet_opt.ops import norm
+
+    model, x, problem = setup("resnet18")
+    schedule = baselines.chen_sqrt(problem)
+    bn_recomputes = sum(
+        1
+        for stage in schedule.stages[1:]
+        for step in stage.steps
+        if step.op == "compute" and problem.node(step.node).op == "batchnorm2d"
+    )
+    assert bn_recomputes > 0
+    calls = []
+    affine = norm._affine
+    monkeypatch.setattr(norm, "_affine", lambda *a: calls.append(1) or affine(*a))
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = MonetWrapper(b, schedule, example_inputs=(x,))
+    expected = grads_after_step(a, a, x)
+    got = grads_after_step(wrapped, b, x)
+    assert len(calls) == bn_recomputes
+    for n, g in expected.items():
+        assert torch.equal(got[n], g), n
+    for (n, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
+        assert torch.equal(bb, ba), n
+    calls.clear()
+    peak, _ = measure_step(wrapped, (x,), steps=1)
+    assert calls and peak <= solver.simulate(problem, schedule).peak_bytes
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_three_training_steps_match(optim):
     # a recomputing schedule with default implementations: bitwise-equal gradients, so even

@@ -22,12 +22,19 @@ class Implementation:
     """grad_in_place: the gradient of the op's first tensor argument is the buffer of the
     incoming gradient of its output (same shape and dtype), written in place (ReLU, batch
     norm) or passed through (add, sub), instead of a new buffer. The runtime then hands
-    the backward a gradient buffer nobody else holds."""
+    the backward a gradient buffer nobody else holds.
+
+    replays: `run` also takes `memo=`, a dict the runtime keeps per node for one training
+    step: the first computation stores in it what a recomputation reuses (batch norm: the
+    batch statistics), and a recomputation given a filled memo reuses it. Without a memo, or
+    with an empty one, the node computes everything. The profiler times the memo path as the
+    implementation's `recompute_time`."""
 
     name: str
-    run: Callable[[Any, tuple, dict, bool], Any]
+    run: Callable[..., Any]
     description: str = ""
     grad_in_place: bool = False
+    replays: bool = False
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

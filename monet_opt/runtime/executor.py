@@ -163,6 +163,7 @@ class _Plan:
     random: bool  # replay the forward's RNG state when computed again
     params: list[torch.Tensor]  # parameters the node uses that need gradients
     reuse: str | None = None  # "relu" / "add": the default may run in place on its first input
+    again: bool = False  # the schedule computes it again: implementations that replay get a memo
 
 
 @dataclass
@@ -171,6 +172,7 @@ class _StepRun:
     states: dict[str, _State] = field(default_factory=dict)
     grads: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
     rng: dict[str, tuple] = field(default_factory=dict)
+    memos: dict[str, dict] = field(default_factory=dict)  # per node, for implementations that replay
     inputs: dict[str, Any] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> gradient
@@ -218,6 +220,7 @@ class _StepRun:
             self.saved_refs,
             self.linked,
             self.pending,
+            self.memos,
         ):
             held.clear()
 
@@ -300,6 +303,7 @@ class ScheduleExecutor:
         # (dropout, dropout inside attention, user randomness) replays them: same masks
         for name in schedule.recomputed():
             self.plans[name].random = True
+            self.plans[name].again = True
         # freed_after[stage][k]: the values the schedule frees after step k, before its next
         # compute or backward
         self.freed_after: list[list[frozenset[str]]] = []
@@ -452,11 +456,13 @@ class ScheduleExecutor:
                 out = torch.relu_(args[0])
             elif reuse == "add":
                 out = args[0].add_(args[1])
-            elif rng_ctx is not None:
-                with rng_ctx:
-                    out = impl.run(plan.target, args, kwargs, recompute)
             else:
-                out = impl.run(plan.target, args, kwargs, recompute)
+                extra = {"memo": run.memos.setdefault(name, {})} if impl.replays and plan.again else {}
+                if rng_ctx is not None:
+                    with rng_ctx:
+                        out = impl.run(plan.target, args, kwargs, recompute, **extra)
+                else:
+                    out = impl.run(plan.target, args, kwargs, recompute, **extra)
         if before is not None and not _same_rng(before, _save_rng()):
             run.rng[name] = before  # the node drew random numbers: replay them when recomputed
         flat, spec = _flatten(out)
