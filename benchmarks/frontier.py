@@ -220,7 +220,8 @@ def run(args) -> list[Row]:
         model, inputs, progress=args.verbose, use_cache=not args.fresh_profile, calibrate=args.calibrate
     )
     profile_s = time.perf_counter() - t0
-    problem.to_json(Path(args.out) / "schedules" / f"{args.model}_problem.json")  # what the schedules were solved on
+    # the problem the schedules are solved on, beside them
+    problem.to_json(Path(args.out) / "schedules" / f"{args.model}_problem.json")
     nr = solver.no_recompute(problem)
     plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
     plain.note = f"monet-opt simulator: no-recompute prediction; {len(problem.nodes)} nodes profiled in {profile_s:.0f} s"

@@ -626,7 +626,7 @@ class Formulation:
 
         t_enter = time.perf_counter()
         md = self.md
-        h = highspy.Highs()
+        h = _new_highs(highspy, verbose)
         h.setOptionValue("output_flag", bool(verbose))
         h.setOptionValue("log_to_console", bool(verbose))
         h.setOptionValue("time_limit", max(0.5, float(time_limit)))
@@ -1057,6 +1057,33 @@ class _LadderResult:
     def scope(self) -> str:
         w = self.last[0]
         return "recompute window unbounded" if w is None else f"recompute window {w} nodes"
+
+
+_HIGHS_GREETED = False
+
+
+def _new_highs(highspy, verbose: bool):
+    """A Highs instance. The process's first one prints HiGHS' banner to the C stdout before
+    any option can be set; with verbose=False that write goes to /dev/null instead."""
+    global _HIGHS_GREETED
+    if verbose or _HIGHS_GREETED:
+        return highspy.Highs()
+    _HIGHS_GREETED = True
+    import os
+
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1: nothing to silence
+        return highspy.Highs()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _recompute_time(impl) -> float:

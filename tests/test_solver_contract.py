@@ -213,3 +213,17 @@ def test_problem_json_keeps_recompute_time_and_reads_version_2(tmp_path):
             del i["recompute_time"]
     old = Problem.from_dict(data)
     assert all(i.recompute_time is None for n in old.nodes for i in n.impls)
+
+
+def test_solve_is_silent_with_verbose_false():
+    """Nothing on stdout or stderr, HiGHS' start-up banner included (printed by its C++ side on
+    a process's first Highs instance)."""
+    code = (
+        "from solver import solve, baselines as B\n"
+        "from solver.synthetic import chain\n"
+        "p = chain(6)\n"
+        "solve(p, int(0.7 * B.no_recompute(p).predicted_peak_bytes), time_limit=5, verbose=False)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
