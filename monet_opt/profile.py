@@ -211,42 +211,35 @@ def measure_node(
         a, k = torch.utils._pytree.tree_unflatten([prep(x) for x in enumerate(flat)], spec)
         return a, k, leaves
 
-    def run(a, k):
+    def run(a, k, memo=None):
+        extra = {} if memo is None else {"memo": memo}
         with torch.enable_grad() if needs_grad else torch.no_grad():
-            return impl.run(target, a, k, True)
+            return impl.run(target, a, k, True, **extra)
+
+    def median_time(call) -> float:
+        times = []
+        for _ in range(repeats):
+            a, k, _ = make_inputs()
+            _sync(device)
+            t0 = time.perf_counter()
+            out = call(a, k)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            del out
+        return statistics.median(times)
 
     # forward: warm-up, time, then memory and what is saved
     a, k, _ = make_inputs()
     run(a, k)
-    times = []
-    for _ in range(repeats):
-        a, k, _ = make_inputs()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = run(a, k)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        del out
-    fwd_time = statistics.median(times)
+    fwd_time = median_time(run)
     recompute_time = None
     if impl.replays:
-        # a recomputation given what the first computation left in the memo
+        # a recomputation given what a first computation left in the memo
         memo: dict = {}
         a, k, _ = make_inputs()
-        with torch.enable_grad() if needs_grad else torch.no_grad():
-            impl.run(target, a, k, True, memo=memo)
+        run(a, k, memo)
         if memo:
-            rtimes = []
-            for _ in range(repeats):
-                a, k, _ = make_inputs()
-                _sync(device)
-                t0 = time.perf_counter()
-                with torch.enable_grad() if needs_grad else torch.no_grad():
-                    out = impl.run(target, a, k, True, memo=memo)
-                _sync(device)
-                rtimes.append(time.perf_counter() - t0)
-                del out
-            recompute_time = statistics.median(rtimes)
+            recompute_time = median_time(lambda a, k: run(a, k, memo))
         del memo
 
     # memory: one forward (what it keeps, its workspace) then one backward (its workspace).

@@ -302,6 +302,15 @@ def _module_bn_state(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
     return bn_training, rm, rv, factor
 
 
+def _call_stats(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
+    """(running_mean, running_var, factor) to hand torch's batch norm for this call: on a
+    recomputation, copies of the running statistics, so the real ones stay untouched."""
+    _, rm, rv, factor = _module_bn_state(m, recompute)
+    if recompute and rm is not None:
+        rm, rv = rm.clone(), rv.clone()
+    return rm, rv, factor
+
+
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -317,9 +326,7 @@ def _module_default(target, args, kwargs, recompute, memo=None):
             mean, invstd = memo["stats"]
             return BatchNormReplay.apply(x, target.weight, target.bias, mean, invstd, target.eps)
         target._check_input_dim(x)
-        _, rm, rv, factor = _module_bn_state(target, recompute)
-        if recompute and rm is not None:
-            rm, rv = rm.clone(), rv.clone()
+        rm, rv, factor = _call_stats(target, recompute)
         y, mean, invstd = _bn_statistics_forward(x, target.weight, target.bias, rm, rv, factor, target.eps)
         memo["stats"] = (mean.detach(), invstd.detach())
         return y
@@ -345,9 +352,7 @@ def _module_custom(function):
             memo = None
         if recompute and memo is not None and "stats" in memo:  # statistics not computed again
             return function.apply(x, target.weight, target.bias, None, None, 0.0, target.eps, memo)
-        _, rm, rv, factor = _module_bn_state(target, recompute)
-        if recompute and rm is not None:
-            rm, rv = rm.clone(), rv.clone()
+        rm, rv, factor = _call_stats(target, recompute)
         return function.apply(x, target.weight, target.bias, rm, rv, factor, target.eps, memo)
 
     return run
