@@ -8,7 +8,7 @@ isolated times recomputes them too eagerly.
 
 `calibrate_in_situ` runs a few training steps of the model through the runtime with the
 no-recompute schedule, once per implementation name (every node that has that
-implementation runs it), times every node's forward and backward where it really runs,
+implementation runs it; the names' steps interleaved, so drift hits them alike), times every node's forward and backward where it really runs,
 and replaces each implementation's isolated times by its in-step times. Per
 implementation, because the isolated error is not uniform: on ResNet-50 b8 224 (CPU) the
 53 BatchNorm backwards take 0.220 s isolated but 0.057 s in a step with torch's kernel,
@@ -35,60 +35,90 @@ from solver.problem import Problem
 MIN_SCALE, MAX_SCALE = 0.25, 50.0
 
 
+class _StepTimer:
+    """Times every node's forward and backward inside training steps of the no-recompute
+    schedule; `impl`: every node that has an implementation of that name runs it."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, problem: Problem, impl: str | None) -> None:
+        from monet_opt.runtime import MonetWrapper
+        from solver.baselines import no_recompute
+
+        pick = None
+        if impl is not None:
+            pick = {n.name: impl for n in problem.nodes if any(im.name == impl for im in n.impls)}
+        self.model = model
+        self.inputs = example_inputs
+        self.wrapped = MonetWrapper(model, no_recompute(problem, impls=pick), example_inputs=example_inputs)
+        ex = self.wrapped.executor
+        ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
+        self.fwd: dict[str, list[float]] = defaultdict(list)
+        self.bwd: dict[str, list[float]] = defaultdict(list)
+        self.recording = False
+        compute, backward = ex.compute, ex.backward
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+
+        def timed_compute(run, name, impl, grad, recompute, *rest):
+            sync()
+            t0 = time.perf_counter()
+            compute(run, name, impl, grad, recompute, *rest)
+            sync()
+            if self.recording:
+                self.fwd[name].append(time.perf_counter() - t0)
+
+        def timed_backward(run, name):
+            sync()
+            t0 = time.perf_counter()
+            backward(run, name)
+            sync()
+            if self.recording:
+                self.bwd[name].append(time.perf_counter() - t0)
+
+        ex.compute, ex.backward = timed_compute, timed_backward
+
+    def step(self, record: bool) -> None:
+        from monet_opt.bench import training_step
+
+        self.recording = record
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        training_step(self.wrapped, self.inputs)
+
+    def medians(self) -> tuple[dict, dict]:
+        return (
+            {n: statistics.median(v) for n, v in self.fwd.items()},
+            {n: statistics.median(v) for n, v in self.bwd.items()},
+        )
+
+
 def in_situ_times(
     model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2, impl: str | None = None
 ):
     """{node: median forward s} and {node: median backward s} inside real training steps of the
     no-recompute schedule; `impl`: every node that has an implementation of that name runs it."""
-    from monet_opt.bench import training_step
-    from monet_opt.runtime import MonetWrapper
-    from solver.baselines import no_recompute
+    return _interleaved_times(model, example_inputs, problem, steps, [impl])[impl]
 
-    pick = None
-    if impl is not None:
-        pick = {n.name: impl for n in problem.nodes if any(im.name == impl for im in n.impls)}
+
+def _interleaved_times(
+    model: nn.Module, example_inputs: tuple, problem: Problem, steps: int, impls: list[str | None]
+) -> dict:
+    """in_situ_times for several implementation names, their steps interleaved (round k runs one
+    step of each), so that a machine's drift during calibration (measured: a whole pass 28 %
+    slower than the next) scales all implementations alike instead of favouring some."""
     saved = _save_model_state(model)  # before tracing: it may draw random numbers too
-    wrapped = MonetWrapper(model, no_recompute(problem, impls=pick), example_inputs=example_inputs)
-    ex = wrapped.executor
-    ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
-    fwd: dict[str, list[float]] = defaultdict(list)
-    bwd: dict[str, list[float]] = defaultdict(list)
-    recording = [False]
-    compute, backward = ex.compute, ex.backward
-    cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def timed_compute(run, name, impl, grad, recompute, *rest):
-        sync()
-        t0 = time.perf_counter()
-        compute(run, name, impl, grad, recompute, *rest)
-        sync()
-        if recording[0]:
-            fwd[name].append(time.perf_counter() - t0)
-
-    def timed_backward(run, name):
-        sync()
-        t0 = time.perf_counter()
-        backward(run, name)
-        sync()
-        if recording[0]:
-            bwd[name].append(time.perf_counter() - t0)
-
-    ex.compute, ex.backward = timed_compute, timed_backward
-    model.train()
     try:
-        for k in range(steps + 1):  # the first step warms up
-            recording[0] = k > 0
-            model.zero_grad(set_to_none=True)
-            training_step(wrapped, example_inputs)
+        timers = {name: _StepTimer(model, example_inputs, problem, name) for name in impls}
+        for timer in timers.values():
+            timer.step(record=False)  # warm-up
+        for _ in range(steps):
+            for timer in timers.values():
+                timer.step(record=True)
     finally:
         _restore_model_state(model, saved)
-    med = {n: statistics.median(v) for n, v in fwd.items()}
-    medb = {n: statistics.median(v) for n, v in bwd.items()}
-    return med, medb
+    return {name: timer.medians() for name, timer in timers.items()}
 
 
 def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2) -> Problem:
@@ -99,11 +129,10 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
         for im in node.impls:
             if im.name not in names:
                 names.append(im.name)
-    measured: dict[str, tuple[dict, dict]] = {}
-    for name in names:
-        measured[name] = in_situ_times(
-            model, example_inputs, problem, steps, impl=None if name == default else name
-        )
+    times = _interleaved_times(
+        model, example_inputs, problem, steps, [None if name == default else name for name in names]
+    )
+    measured = {name: times[None if name == default else name] for name in names}
     fwd0, bwd0 = measured[default]
     nodes = []
     summary = {"fwd_isolated_s": 0.0, "fwd_in_step_s": 0.0, "bwd_isolated_s": 0.0, "bwd_in_step_s": 0.0}
