@@ -8,8 +8,8 @@ isolated times recomputes them too eagerly.
 
 `calibrate_in_situ` runs a few training steps of the model through the runtime with the
 no-recompute schedule, once per implementation name (every node that has that
-implementation runs it; the names' steps interleaved, so drift hits them alike), times every node's forward and backward where it really runs,
-and replaces each implementation's isolated times by its in-step times. Per
+implementation runs it; the names' steps interleaved, so drift hits them alike), times
+every node's forward and backward where it really runs, and replaces each implementation's isolated times by its in-step times. Per
 implementation, because the isolated error is not uniform: on ResNet-50 b8 224 (CPU) the
 53 BatchNorm backwards take 0.220 s isolated but 0.057 s in a step with torch's kernel,
 while the in-place-gradient kernel takes 0.108 s isolated and 0.115 s in a step; scaled
@@ -95,19 +95,14 @@ class _StepTimer:
 
 
 def in_situ_times(
-    model: nn.Module, example_inputs: tuple, problem: Problem, steps: int = 2, impl: str | None = None
-):
-    """{node: median forward s} and {node: median backward s} inside real training steps of the
-    no-recompute schedule; `impl`: every node that has an implementation of that name runs it."""
-    return _interleaved_times(model, example_inputs, problem, steps, [impl])[impl]
-
-
-def _interleaved_times(
     model: nn.Module, example_inputs: tuple, problem: Problem, steps: int, impls: list[str | None]
 ) -> dict:
-    """in_situ_times for several implementation names, their steps interleaved (round k runs one
-    step of each), so that a machine's drift during calibration (measured: a whole pass 28 %
-    slower than the next) scales all implementations alike instead of favouring some."""
+    """Per implementation name (None: every node's default), ({node: median forward s},
+    {node: median backward s}) inside real training steps of the no-recompute schedule in which
+    every node that has that implementation runs it. The names' steps are interleaved (round k
+    runs one step of each), so that a machine's drift during calibration (measured: the default
+    pass's forwards 28 % over their isolated times, where a quiet run matches them) scales all
+    implementations alike instead of favouring some."""
     saved = _save_model_state(model)  # before tracing: it may draw random numbers too
     try:
         timers = {name: _StepTimer(model, example_inputs, problem, name) for name in impls}
@@ -129,10 +124,9 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
         for im in node.impls:
             if im.name not in names:
                 names.append(im.name)
-    times = _interleaved_times(
-        model, example_inputs, problem, steps, [None if name == default else name for name in names]
-    )
-    measured = {name: times[None if name == default else name] for name in names}
+    keys = [None if name == default else name for name in names]
+    times = in_situ_times(model, example_inputs, problem, steps, keys)
+    measured = {name: times[key] for name, key in zip(names, keys)}
     fwd0, bwd0 = measured[default]
     nodes = []
     summary = {"fwd_isolated_s": 0.0, "fwd_in_step_s": 0.0, "bwd_isolated_s": 0.0, "bwd_in_step_s": 0.0}
