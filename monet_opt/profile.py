@@ -33,16 +33,18 @@ from torch.utils._pytree import tree_flatten
 
 from monet_opt.graph import OpGraph, trace
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
-from monet_opt.ops import implementations_for
+from monet_opt.ops import implementations_for, shares_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.runtime.executor import (
     _fetch_attr,
     _GradBox,
     _node_params,
     _resolve_target,
+    _reuse_kind,
     _Root,
     _same_rng,
     _save_rng,
+    reuse_arguments_allow,
 )
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
@@ -479,6 +481,7 @@ def build_problem(
                     alias_of = in_ptrs[key]
             else:
                 owned[key] = _storage_bytes(t)
+        fwd_in_place = _fwd_in_place_position(fx_node, target, args, positions)
         impl_rows = []
         for impl in impls:
             if not is_tensor:
@@ -506,6 +509,8 @@ def build_problem(
                 hits += 1
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
             in_place = _grad_in_place_position(impl, flat_vals, positions, flat_out)
+            writes_into = fwd_in_place if impl.name == "default" else None
+            shared = _grad_shared_positions(fx_node, target, kwargs, in_place, flat_vals, positions, flat_out)
             impl_rows.append(
                 Impl(
                     name=impl.name,
@@ -518,6 +523,8 @@ def build_problem(
                     keeps_output=entry["keeps_output"],
                     state_bytes=entry["state_bytes"],
                     grad_in_place=in_place,
+                    grad_shared=shared,
+                    fwd_in_place=writes_into,
                 )
             )
         rows.append(
@@ -614,6 +621,35 @@ def _grad_in_place_position(impl: Implementation, flat_vals: list, positions: li
     if value.shape != out.shape or value.dtype != out.dtype:
         return None
     return positions[first[0]]
+
+
+def _grad_shared_positions(
+    fx_node: fx.Node, target: Any, kwargs: dict, in_place, flat_vals: list, positions: list, flat_out: list
+) -> tuple[int, ...]:
+    """Besides `in_place`, the problem-input positions an addition hands its gradient tensor to:
+    its other tensor arguments of the output's shape and dtype (no reduction, no cast)."""
+    if in_place is None or len(flat_out) != 1 or not shares_gradient(fx_node.op, target, kwargs):
+        return ()
+    out = flat_out[0]
+    found = []
+    for pos, value in enumerate(flat_vals):
+        where = positions[pos]
+        if where is None or where == in_place or where in found or not isinstance(value, torch.Tensor):
+            continue
+        if value.shape == out.shape and value.dtype == out.dtype:
+            found.append(where)
+    return tuple(found)
+
+
+def _fwd_in_place_position(fx_node: fx.Node, target: Any, args: tuple, positions: list):
+    """The problem-input position the runtime's default may write its output into (an in-place
+    ReLU or addition on its first argument, `ScheduleExecutor._may_reuse`), if these arguments
+    allow it; else None."""
+    kind = _reuse_kind(fx_node, target)
+    if kind is None or not args or not positions or positions[0] is None:
+        return None
+    y = args[1] if kind == "add" else None
+    return positions[0] if reuse_arguments_allow(kind, args[0], y) else None
 
 
 def _op_node(graph: OpGraph, name: str):

@@ -9,7 +9,8 @@ Every valid schedule must, at some moment:
   storages it keeps, cheapest implementation), plus the backward transient
   (workspace, new input gradients less any written in place, t's parameter gradients);
 * compute each node that an output or a backward depends on at least once: its
-  inputs' storages, its new output storage and its workspace (plus its private
+  inputs' storages, its new output storage (none if it may write into an input,
+  `fwd_in_place`) and its workspace (plus its private
   state bytes if it needs a backward, since some compute of it must run with
   grad=True).
 
@@ -36,12 +37,14 @@ def _backward_bound(an: Analysis, s: int) -> int:
 
 def _compute_bound(an: Analysis, i: int) -> int:
     ins = {an.base[j] for j in an.uinputs[i]}
-    own = an.a[i]  # a new storage (0 for a view)
     best = None
     for im in an.impls[i]:
-        v = im.fwd_workspace + (im.state_bytes if an.rb[i] else 0)
+        # a new storage (0 for a view, or for an output written into an input: fwd_in_place)
+        written = im.fwd_in_place is not None and an.a[an.base[an.inputs[i][im.fwd_in_place]]] == an.a[i]
+        own = 0 if written else an.a[i]
+        v = own + im.fwd_workspace + (im.state_bytes if an.rb[i] else 0)
         best = v if best is None else min(best, v)
-    return an.problem.fixed_bytes + sum(an.a[b] for b in ins) + own + (best or 0)
+    return an.problem.fixed_bytes + sum(an.a[b] for b in ins) + (best or 0)
 
 
 def needed_nodes(an: Analysis) -> set[int]:

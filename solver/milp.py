@@ -442,6 +442,23 @@ class Formulation:
                     coefs.append(an.a[b])
             _add_state_terms(an, A2, cols, coefs)
             self._mem_row(cols, coefs, an.stage_const[s] + an.bwd_extra_base[s])
+            if an.bwd_accumulate[s]:
+                # then, t's state dropped and its workspace freed, gradients added into a shared
+                # one are summed into new buffers: what is carried, the new input gradients
+                acc_cols, acc_coefs = [], []
+                for m, c in tcols:
+                    if an.grad_saving(t, m):
+                        acc_cols.append(c)
+                        acc_coefs.append(-float(an.grad_saving(t, m)))
+                for b, c in S2.items():
+                    if not an.is_view[b] and b not in user_bases and an.a[b]:
+                        acc_cols.append(c)
+                        acc_coefs.append(an.a[b])
+                _add_state_terms(an, A2, acc_cols, acc_coefs)
+                md.tag = ("mem_bwd_accumulate", s, t)
+                self._mem_row(
+                    acc_cols, acc_coefs, an.stage_const[s] + an.bwd_extra_base[s] + an.bwd_accumulate[s]
+                )
 
         # forward memory per step
         md.tag = ("mem_fwd",)

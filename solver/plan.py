@@ -84,44 +84,88 @@ class Analysis:
         self._crossings: list[frozenset[int]] | None = None
 
     def _grad_constants(self) -> None:
-        """Gradient bytes live during each backward stage, which no schedule changes."""
+        """Gradient bytes live during each backward stage, which no schedule changes.
+
+        Gradients are buffers, as in `solver.simulate`: an addition hands its gradient to both
+        arguments, one buffer counted once while both hold it. An input shares its node's fed
+        buffer here only if every implementation of the node hands it over (`grad_in_place` or
+        `grad_shared`), so where implementations differ these constants are upper bounds."""
         nodes = self.problem.nodes
-        grads: dict = {}
+        slot: dict[int, int] = {}  # node -> buffer id of its gradient
+        bufs: dict[int, list] = {}  # buffer id -> [bytes, holders]
+        made = [0]
+
+        def new(nbytes: int) -> int:
+            made[0] += 1
+            bufs[made[0]] = [nbytes, set()]
+            return made[0]
+
+        def release(b: int, token) -> None:
+            bufs[b][1].discard(token)
+            if not bufs[b][1]:
+                del bufs[b]
+
         for i in self.outputs:
             if self.rb[i]:
-                grads[i] = nodes[i].grad_bytes
+                slot[i] = new(nodes[i].grad_bytes)
+                bufs[slot[i]][1].update({("engine", i), ("slot", i)})
         pgrad = 0
         self.stage_const: list[int] = []  # fixed + user-held outputs + live grads + param grads
         self.bwd_extra_base: list[int] = []  # new input grads + param grads of t (transient)
+        self.bwd_accumulate: list[int] = []  # sums into new buffers after t's backward (transient)
+        self.fed_shared: list[bool] = [False] * self.n  # t's gradient buffer is shared at its backward
         for t in self.bw:
-            if t not in grads:
+            if t not in slot:
                 raise ProblemError(
                     f"node {self.names[t]!r} needs a backward but no gradient reaches it "
                     "(no consumer with a backward and not an output)"
                 )
-            self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + sum(grads.values()) + pgrad)
-            gin = [j for j in self.inputs[t] if self.rb[j]]
-            self.bwd_extra_base.append(sum(nodes[j].grad_bytes for j in gin) + nodes[t].param_grad_bytes)
+            live = sum(nbytes for nbytes, _ in bufs.values())
+            self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + live + pgrad)
+            gin = [(pos, j) for pos, j in enumerate(self.inputs[t]) if self.rb[j]]
+            self.bwd_extra_base.append(sum(nodes[j].grad_bytes for _, j in gin) + nodes[t].param_grad_bytes)
             pgrad += nodes[t].param_grad_bytes
-            for j in gin:
-                grads.setdefault(j, nodes[j].grad_bytes)
-            if t in self.outputs:
-                grads[("held", t)] = grads.pop(t)  # the autograd engine holds it to the end
-            else:
-                del grads[t]
+            own = slot.pop(t)
+            self.fed_shared[t] = len(bufs[own][1]) > 1
+            fed = new(nodes[t].grad_bytes) if self.fed_shared[t] else own
+            bufs[fed][1].add(("fed", t))
+            release(own, ("slot", t))
+            receive = set.intersection(*(self._receivers(t, im) for im in self.impls[t]))
+            acc = 0
+            for pos, j in gin:
+                b = fed if pos in receive else new(nodes[j].grad_bytes)
+                bufs[b][1].add(("new", j))
+                prev = slot.get(j)
+                if prev is None:
+                    slot[j] = b
+                    bufs[b][1].add(("slot", j))
+                elif prev == b or bufs[prev][1] != {("slot", j)}:
+                    acc += nodes[j].grad_bytes
+                    slot[j] = new(nodes[j].grad_bytes)
+                    bufs[slot[j]][1].add(("slot", j))
+                    release(prev, ("slot", j))
+                release(b, ("new", j))
+            release(fed, ("fed", t))
+            self.bwd_accumulate.append(acc)
+
+    def _receivers(self, t: int, im) -> set[int]:
+        """Input positions whose new gradient is the buffer t's backward is fed (same size)."""
+        if im.grad_in_place is None:
+            return set()
+        nodes = self.problem.nodes
+        size = nodes[t].grad_bytes
+        return {p for p in (im.grad_in_place, *im.grad_shared) if nodes[self.inputs[t][p]].grad_bytes == size}
 
     def grad_saving(self, t: int, m: int) -> int:
-        """Bytes of new input gradient that implementation m of t does not allocate (it writes
-        one input's gradient into t's own gradient buffer; never for a model output)."""
+        """Bytes of new input gradient that implementation m of t does not allocate: the inputs
+        it hands its fed gradient buffer (`grad_in_place`, `grad_shared`), less the copy the
+        runtime makes of that buffer when it is shared (`fed_shared`)."""
         im = self.impls[t][m]
-        p = im.grad_in_place
-        if p is None or t in self.outputs:
-            return 0
-        j = self.inputs[t][p]
-        if not self.rb[j]:
-            return 0
-        nodes = self.problem.nodes
-        return min(nodes[j].grad_bytes, nodes[t].grad_bytes)
+        receivers = {self.inputs[t][p] for p in self._receivers(t, im)}
+        saved = sum(self.problem.nodes[j].grad_bytes for j in receivers if self.rb[j])
+        if im.grad_in_place is not None and self.fed_shared[t]:
+            saved -= self.problem.nodes[t].grad_bytes  # (may be negative: a copy, nothing saved)
+        return saved
 
     @property
     def crossings(self) -> list[frozenset[int]]:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from solver.jsonio import atomic_write_text, read_json_object
 
-PROBLEM_FORMAT_VERSION = 3  # 2: Impl.grad_in_place; 3: Impl.recompute_time (older files still load)
-READABLE_VERSIONS = (1, 2, 3)
+# 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared
+PROBLEM_FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -42,8 +43,16 @@ class Impl:
     grad_in_place: position in `Node.inputs` whose gradient the backward writes into
         the buffer of the node's own output gradient (same size), so that input's
         gradient needs no new allocation; None if the backward allocates every input
-        gradient. Does not apply to a model output (the autograd engine holds its
-        gradient): see `solver.simulate`.
+        gradient. If that buffer is shared (a model output's, which the autograd engine
+        holds, or one an addition handed to several inputs) the runtime copies it first:
+        see `solver.simulate`.
+    grad_shared: positions in `Node.inputs`, besides `grad_in_place`, whose gradient is the
+        very buffer the backward is fed, shared, not copied (an addition hands its
+        output's gradient to both arguments). Only with `grad_in_place` set.
+    fwd_in_place: position in `Node.inputs` whose storage the forward writes its output
+        into (an in-place ReLU or addition) when nothing but that input's own handle holds
+        the storage and the schedule frees that input right after this step; None if the
+        output always gets a new storage. See `solver.simulate`.
     """
 
     name: str
@@ -56,11 +65,15 @@ class Impl:
     state_bytes: int = 0
     grad_in_place: int | None = None
     recompute_time: float | None = None
+    grad_shared: tuple[int, ...] = ()
+    fwd_in_place: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
-        if self.grad_in_place is not None:
-            object.__setattr__(self, "grad_in_place", int(self.grad_in_place))
+        object.__setattr__(self, "grad_shared", tuple(int(i) for i in self.grad_shared))
+        for name in ("grad_in_place", "fwd_in_place"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,23 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                 raise ProblemError(
                     f"node {node.name!r} impl {impl.name!r}: grad_in_place {impl.grad_in_place} "
                     f"is not an input position (the node has {len(node.inputs)} inputs)"
+                )
+            shared = set(impl.grad_shared)
+            if shared and (
+                impl.grad_in_place is None
+                or impl.grad_in_place in shared
+                or not shared <= set(range(len(node.inputs)))
+            ):
+                raise ProblemError(
+                    f"node {node.name!r} impl {impl.name!r}: grad_shared {impl.grad_shared} must be "
+                    "input positions other than grad_in_place, which must be set"
+                )
+            if impl.fwd_in_place is not None and not (
+                0 <= impl.fwd_in_place < len(node.inputs) and node.alias_of is None
+            ):
+                raise ProblemError(
+                    f"node {node.name!r} impl {impl.name!r}: fwd_in_place {impl.fwd_in_place} "
+                    "is not an input position of a node that owns its output"
                 )
             if min(impl.fwd_time, impl.bwd_time, impl.recompute_time or 0.0) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")

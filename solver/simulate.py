@@ -20,11 +20,13 @@ batch are not counted. Live at any moment is the sum of:
 * backward states -- `compute ... grad=True` creates the node's state; it holds
   `state_bytes` of private memory (plus the storages above) until the node's
   `backward` step or a `free_state` step.
-* gradients -- the gradient of a node's output (`grad_bytes`) is allocated by the
-  first backward that produces it and freed by the node's own backward. Gradients
-  of the model's outputs are allocated by the user's loss, at the start of the
-  first backward stage, and stay to the end of the step (the autograd engine
-  holds them while the wrapper's backward runs).
+* gradients -- the gradient of a node's output (`grad_bytes`) is a buffer made by
+  the first backward that produces it and released by the node's own backward.
+  Gradients of the model's outputs are made by the user's loss, at the start of the
+  first backward stage, and stay to the end of the step (the autograd engine holds
+  them while the wrapper's backward runs). A buffer may be several nodes' gradient at
+  once (an addition hands its gradient to both arguments): its bytes count once, while
+  anything holds it.
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
   backward and stay to the end of the step (zero_grad(set_to_none=True)).
 * `fixed_bytes` of the problem, always.
@@ -33,15 +35,24 @@ Transient peaks:
 * compute: live + output_bytes (if not a view) + state_bytes (if grad) + fwd_workspace.
   If the node's value handle is already live, the new output is a second storage;
   the old one is released only when nothing else holds it.
-* backward of t: live + bwd_workspace + grad_bytes of every input that needs a
-  gradient + param_grad_bytes(t). Then each new input gradient is added into the
-  existing one (the new one freed) or becomes it; t's state and gradient are freed.
-  In-place gradients: if t's implementation names an input position in
-  `grad_in_place` and t is not a model output, that input's new gradient is
-  written into t's own gradient buffer (the runtime hands the backward a buffer
-  nobody else holds, copying it first if it is shared), so its grad_bytes are not
-  part of the transient; afterwards the buffer is that input's gradient, or is
-  added into the existing one and freed, exactly as above.
+  In-place forward: if the implementation names an input position in `fwd_in_place`
+  (an in-place ReLU or addition), that input's storage, of the output's size, is held
+  by nothing but the input's own handle (no backward state, no view or other handle,
+  not a user output), no other input of the node lies in the same storage, and the schedule frees that
+  input among the free steps that directly follow this compute (before the next
+  compute or backward), then the output is written into that storage: no new bytes,
+  and the storage stays live, as the node's output, once the input's handle is freed.
+* backward of t: t's gradient buffer leaves t's slot and is fed to the backward; if
+  the implementation names `grad_in_place` and the buffer is shared (another node's
+  gradient too, or a model output's), the runtime feeds a copy (a new buffer). The
+  inputs at `grad_in_place` and `grad_shared` receive the fed buffer itself as their
+  new gradient (if their `grad_bytes` equal t's); every other input that needs a
+  gradient receives a new buffer of its `grad_bytes`. Peak: live (with the copy and the new buffers) + bwd_workspace +
+  param_grad_bytes(t). Then t's state is dropped and each input's new gradient is
+  accumulated, one at a time: it becomes the input's gradient if it has none; else it
+  is added in place into the existing one if nothing else holds that, and else both
+  are summed into a new buffer (a transient peak) that replaces the existing one.
+  A buffer nothing holds any more is freed.
 
 Time is the sum of `fwd_time` of a node's first compute step, `recompute_time`
 (if given, else `fwd_time`) of each later one (a recomputation, which may reuse what
@@ -95,7 +106,10 @@ class _Replay:
         self.next_copy = 0
         # node -> (implementation, private bytes, held storage copies)
         self.states: dict[str, tuple[Impl, int, list[tuple[str, int]]]] = {}
+        # gradient buffers: node -> buffer id of its output's gradient; id -> (bytes, holders)
         self.grads: dict[str, int] = {}
+        self.grad_bufs: dict[int, tuple[int, set]] = {}
+        self.next_grad = 0
         self.backed: set[str] = set()
         self.live = problem.fixed_bytes
         self.peak = self.live
@@ -142,7 +156,14 @@ class _Replay:
                 if node is None:
                     raise ScheduleInvalid(f"{where}: unknown node")
                 if step.op == "compute":
-                    t = self._compute(node, step.impl, step.grad, where, again=node.name in computed)
+                    t = self._compute(
+                        node,
+                        step.impl,
+                        step.grad,
+                        where,
+                        again=node.name in computed,
+                        freed_next=_frees_after(stage.steps, k),
+                    )
                     computed.add(node.name)
                     time += t
                     if s_idx > 0:
@@ -180,12 +201,20 @@ class _Replay:
     def _start_backward(self) -> None:
         for n in self.p.nodes:
             if n.is_output and n.requires_backward and n.name not in self.grads:
-                self.grads[n.name] = n.grad_bytes
-                self.live += n.grad_bytes
+                buf = self._new_grad(n.grad_bytes)
+                self._grad_hold(buf, ("engine", n.name))  # held to the end of the step
+                self._grad_hold(buf, ("slot", n.name))
+                self.grads[n.name] = buf
         self._bump()
 
     def _compute(
-        self, node: Node, impl_name: str | None, grad: bool, where: str, again: bool = False
+        self,
+        node: Node,
+        impl_name: str | None,
+        grad: bool,
+        where: str,
+        again: bool = False,
+        freed_next: frozenset[str] = frozenset(),
     ) -> float:
         impl = next((i for i in node.impls if i.name == impl_name), None)
         if impl is None:
@@ -195,6 +224,8 @@ class _Replay:
                 raise ScheduleInvalid(f"{where}: input {inp!r} is not available (not held)")
         if node.alias_of is not None:
             key = self.handle[node.inputs[node.alias_of]]
+        elif self._writes_in_place(node, impl, freed_next):
+            key = self.handle[node.inputs[impl.fwd_in_place]]
         else:
             key = self._new_copy(node)
         state_bytes = impl.state_bytes if grad else 0
@@ -218,6 +249,35 @@ class _Replay:
             return impl.recompute_time
         return impl.fwd_time
 
+    def _writes_in_place(self, node: Node, impl: Impl, freed_next: frozenset[str]) -> bool:
+        if impl.fwd_in_place is None:
+            return False
+        source = node.inputs[impl.fwd_in_place]
+        if source not in freed_next:
+            return False
+        key = self.handle[source]
+        if self.copy_ids[key] != {("h", source)} or self.by_name[key[0]].output_bytes != node.output_bytes:
+            return False
+        others = [inp for pos, inp in enumerate(node.inputs) if pos != impl.fwd_in_place]
+        return all(self.handle[inp] != key for inp in others)
+
+    def _new_grad(self, nbytes: int) -> int:
+        buf = self.next_grad
+        self.next_grad += 1
+        self.grad_bufs[buf] = (nbytes, set())
+        self.live += nbytes
+        return buf
+
+    def _grad_hold(self, buf: int, token) -> None:
+        self.grad_bufs[buf][1].add(token)
+
+    def _grad_release(self, buf: int, token) -> None:
+        nbytes, holders = self.grad_bufs[buf]
+        holders.discard(token)
+        if not holders:
+            del self.grad_bufs[buf]
+            self.live -= nbytes
+
     def _drop_state(self, name: str) -> None:
         _, state_bytes, held = self.states.pop(name)
         self.live -= state_bytes
@@ -237,21 +297,48 @@ class _Replay:
                 f"{where}: its gradient does not exist yet (a consumer's backward must run first)"
             )
         impl = self.states[node.name][0]
-        grad_inputs = [self.by_name[i] for i in node.inputs if self.by_name[i].requires_backward]
-        new_grads = sum(n.grad_bytes for n in grad_inputs)
-        if impl.grad_in_place is not None and not node.is_output:
-            reused = self.by_name[node.inputs[impl.grad_in_place]]
-            if reused.requires_backward:
-                new_grads -= min(reused.grad_bytes, node.grad_bytes)
-        self._bump(impl.bwd_workspace + new_grads + node.param_grad_bytes)
+        own = self.grads.pop(node.name)
+        fed = own
+        if impl.grad_in_place is not None and len(self.grad_bufs[own][1]) > 1:
+            fed = self._new_grad(node.grad_bytes)  # shared: the runtime copies it first
+        self._grad_hold(fed, ("fed", node.name))
+        self._grad_release(own, ("slot", node.name))  # out of its slot before the backward runs
+        receive = set() if impl.grad_in_place is None else {impl.grad_in_place, *impl.grad_shared}
+        made = []  # (input, gradient buffer) as the backward returns them
+        for pos, name in enumerate(node.inputs):
+            inp = self.by_name[name]
+            if inp.requires_backward:
+                takes_fed = pos in receive and inp.grad_bytes == node.grad_bytes
+                made.append((name, fed if takes_fed else self._new_grad(inp.grad_bytes)))
+        self._bump(impl.bwd_workspace + node.param_grad_bytes)
         self.live += node.param_grad_bytes
-        for n in grad_inputs:
-            if n.name not in self.grads:
-                self.grads[n.name] = n.grad_bytes
-                self.live += n.grad_bytes
         self._drop_state(node.name)
-        grad_bytes = self.grads.pop(node.name)
-        if not node.is_output:  # an output's gradient is held by the autograd engine to the end
-            self.live -= grad_bytes
+        for name, buf in made:  # accumulated one by one, as the engine hands them over
+            self._grad_hold(buf, ("new", name))
+            prev = self.grads.get(name)
+            if prev is None:
+                self.grads[name] = buf
+                self._grad_hold(buf, ("slot", name))
+            elif prev == buf or self.grad_bufs[prev][1] != {("slot", name)}:
+                # prev + new into a new buffer: prev is shared (or is the new gradient itself)
+                total = self._new_grad(self.by_name[name].grad_bytes)
+                self._bump()
+                self.grads[name] = total
+                self._grad_hold(total, ("slot", name))
+                self._grad_release(prev, ("slot", name))
+            self._grad_release(buf, ("new", name))  # (added into prev in place, or now prev)
+        self._grad_release(fed, ("fed", node.name))
         self.backed.add(node.name)
         return impl.bwd_time
+
+
+def _frees_after(steps, k: int) -> frozenset[str]:
+    """The values freed by the free_value steps that directly follow step k."""
+    freed = set()
+    for step in steps[k + 1 :]:
+        if step.op != "free_value":
+            if step.op in ("compute", "backward"):
+                break
+            continue
+        freed.add(step.node)
+    return frozenset(freed)

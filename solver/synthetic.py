@@ -71,14 +71,17 @@ class _Builder:
     def relu(self, name, x, elems):
         t = self.jitter(elems / 4e9 + 5e-6)
         impls = [
-            Impl("default", t, t, keeps_output=True),
+            Impl("default", t, t, keeps_output=True, fwd_in_place=0),
             Impl("bitmask", 1.1 * t, 1.2 * t, state_bytes=max(1, elems * F32 // 32), grad_in_place=0),
         ]
         return self.add(name, "relu", [x], elems * F32, impls)
 
     def add_op(self, name, a, b, elems):
         t = self.jitter(elems / 3e9 + 5e-6)
-        return self.add(name, "add", [a, b], elems * F32, [Impl("default", t, 0.5 * t)])
+        # as torch's: the output's gradient is handed to both arguments, and the sum may be
+        # written into the first argument
+        impl = Impl("default", t, 0.5 * t, grad_in_place=0, grad_shared=(1,), fwd_in_place=0)
+        return self.add(name, "add", [a, b], elems * F32, [impl])
 
     def maxpool(self, name, x, out_elems):
         t = self.jitter(out_elems * 9 / 4e9 + 1e-5)
@@ -357,7 +360,7 @@ def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool
         ws = rng.choice([0, 0, rng.randint(1, 40) * 1000])
         if op == "relu":
             return [
-                Impl("default", t, bt, fwd_workspace=ws, keeps_output=True),
+                Impl("default", t, bt, fwd_workspace=ws, keeps_output=True, fwd_in_place=0),
                 Impl("bitmask", 1.1 * t, 1.2 * bt, state_bytes=rng.randint(1, 4) * 1000, grad_in_place=0),
             ]
         if op == "bn":
@@ -427,12 +430,15 @@ def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool
             )
         elif op == "add":
             t = rng.uniform(5e-5, 3e-4)
+            first_bytes = b.nodes[names.index(ins[0])].output_bytes
+            if first_bytes and k % 2 == 0:
+                out = first_bytes  # the sum may be written into its first argument
             b.add(
                 name,
                 "add",
                 ins,
                 out,
-                [Impl("default", t, t / 2)],
+                [Impl("default", t, t / 2, grad_in_place=0, grad_shared=(1,), fwd_in_place=0)],
                 requires_backward=rb,
                 grad_bytes=out if rb else 0,
             )

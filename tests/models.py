@@ -204,3 +204,36 @@ TORCHVISION = {
 }
 
 ALL = {**TORCHVISION, "gpt": gpt}
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x)
+
+
+class NarrowResNet(nn.Module):
+    """Residual blocks of few channels at full resolution: activations, not parameters, make the
+    peak (as in real training at real sizes, unlike torchvision models at test sizes)."""
+
+    def __init__(self, width: int = 16, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(*[_BasicBlock(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def narrow_resnet(batch: int = 8, size: int = 32, **kw) -> tuple[nn.Module, torch.Tensor]:
+    return NarrowResNet(**kw), _image(batch, size)

@@ -628,3 +628,30 @@ def test_loss_inside_the_wrapped_module():
     # 39.36 vs 38.05 MB); with the loss inside, the two are level
     logits_bytes = idx.numel() * 512 * 4
     assert measured <= plain_peak + logits_bytes // 4, (measured, plain_peak)
+
+
+def test_measured_peak_is_the_prediction_where_activations_dominate():
+    """A residual model whose peak is activations (not parameter gradients, as in the torchvision
+    models at test sizes): measured peaks are the simulator's within 2 %, never over it. Before
+    in-place forwards and shared gradient buffers (an addition hands its gradient to both inputs)
+    were counted, its lowest-peak MILP schedule measured 10 % under the prediction."""
+    torch.manual_seed(0)
+    model, x = models.narrow_resnet(batch=8, size=32)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    low, _ = baselines.min_known_peak(problem)
+    for schedule in (
+        baselines.chen_sqrt(problem),
+        baselines.checkpoint_all(problem),
+        solver.solve(problem, low, time_limit=TIME_LIMIT, verbose=False),
+    ):
+        plain = copy.deepcopy(model)
+        wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+        expected = grads_after_step(plain, plain, x)
+        got = grads_after_step(wrapped, model, x)
+        for key in expected:
+            assert_grads_close(got[key], expected[key], f"{schedule.strategy}: grad of {key}")
+        peak, _ = measure_step(wrapped, (x,), steps=1)
+        predicted = solver.simulate(problem, schedule).peak_bytes
+        assert peak <= predicted + LOSS_SCALARS, (schedule.strategy, peak, predicted)
+        assert predicted - peak <= 0.02 * predicted, (schedule.strategy, peak, predicted)

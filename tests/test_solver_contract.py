@@ -227,3 +227,117 @@ def test_solve_is_silent_with_verbose_false():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
+
+
+# -- in-place forwards and shared gradient buffers -------------------------------------------
+
+
+def _schedule(forward, backward_order):
+    from solver import SolverInfo
+
+    stages = [Stage("forward", tuple(forward))]
+    stages += [Stage(f"backward:{x}", (Step("backward", x),)) for x in backward_order]
+    return Schedule("x", None, 0, 0.0, SolverInfo("t"), "t", tuple(stages))
+
+
+def _stage_ends(sim):
+    """Live bytes at the end of each stage."""
+    ends = {}
+    for stage, _k, live in sim.timeline:
+        ends[stage] = live
+    return list(ends.values())
+
+
+def test_simulator_counts_a_gradient_buffer_an_addition_hands_to_both_inputs_once():
+    """s = c + a hands s's gradient buffer to c and to a (autograd's AddBackward): 100 bytes, not
+    200, until c's backward, whose new gradient for a is then summed into a new buffer (a's is
+    still c's too). Hand-counted; `grad_shared=()` gives the old count for comparison."""
+    from solver import Impl, Node
+
+    def problem(shared):
+        add = Impl("d", 1, 1, grad_in_place=0, grad_shared=shared)
+        return Problem(
+            nodes=(
+                Node("a", "conv", (), 100, (Impl("d", 1, 1),), grad_bytes=100, requires_backward=True),
+                Node("c", "conv", ("a",), 100, (Impl("d", 1, 1, keeps_inputs=(0,)),), 100, None, True),
+                Node("s", "add", ("c", "a"), 100, (add,), grad_bytes=100, requires_backward=True),
+                Node(
+                    "b",
+                    "loss",
+                    ("s",),
+                    4,
+                    (Impl("d", 1, 1, keeps_inputs=(0,)),),
+                    grad_bytes=4,
+                    requires_backward=True,
+                    is_output=True,
+                ),
+            ),
+            fingerprint="x",
+        )
+
+    sched = _schedule([Step("compute", x, "d", True) for x in "acsb"], "bsca")
+    shared = simulate(problem((1,)), sched)
+    separate = simulate(problem(()), sched)
+    # forward 304 (a, c, s, b); backward b: + loss gradient 4 + s's gradient 100
+    assert _stage_ends(shared) == [304, 408, 408, 408, 308]
+    assert _stage_ends(separate) == [304, 408, 508, 408, 308]
+    # c's backward: 408 + a's new gradient 100 + their sum 100 (a's gradient is shared with c)
+    assert shared.peak_bytes == 608 and separate.peak_bytes == 608
+    # the MILP's constants follow the same count (an upper bound of it, exact here)
+    for p, sim in ((problem((1,)), shared), (problem(()), separate)):
+        out = solve(p, sim.peak_bytes, time_limit=10, verbose=False, window=None)
+        assert simulate(p, out).peak_bytes <= sim.peak_bytes
+
+
+def test_simulator_writes_an_in_place_forward_into_its_freed_input():
+    """r = relu(a) with fwd_in_place: when the schedule frees a right after r and nothing else
+    holds a's storage, r's output is a's storage (no new bytes); not when a's state keeps it."""
+    from solver import Impl, Node
+
+    def problem(a_keeps_output):
+        return Problem(
+            nodes=(
+                Node("a", "conv", (), 100, (Impl("d", 1, 1, keeps_output=a_keeps_output),), 100, None, True),
+                Node(
+                    "r",
+                    "relu",
+                    ("a",),
+                    100,
+                    (Impl("d", 1, 1, keeps_output=True, fwd_in_place=0),),
+                    100,
+                    None,
+                    True,
+                ),
+                Node(
+                    "b",
+                    "loss",
+                    ("r",),
+                    4,
+                    (Impl("d", 1, 1, keeps_inputs=(0,)),),
+                    grad_bytes=4,
+                    requires_backward=True,
+                    is_output=True,
+                ),
+            ),
+            fingerprint="x",
+        )
+
+    fwd = [
+        Step("compute", "a", "d", True),
+        Step("compute", "r", "d", True),
+        Step("free_value", "a"),
+        Step("compute", "b", "d", True),
+        Step("free_value", "r"),
+    ]
+    sched = _schedule(fwd, "bra")
+    reused = simulate(problem(False), sched)
+    kept = simulate(problem(True), sched)
+    assert [live for st, _k, live in reused.timeline if st == "forward"] == [100, 100, 100, 104, 104]
+    assert [live for st, _k, live in kept.timeline if st == "forward"] == [100, 200, 200, 204, 204]
+    # not freed right after: a new storage
+    late = fwd[:1] + [fwd[1], fwd[3], fwd[2], fwd[4]]
+    assert [live for st, _k, live in simulate(problem(False), _schedule(late, "bra")).timeline][:3] == [
+        100,
+        200,
+        204,
+    ]

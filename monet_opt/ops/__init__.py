@@ -68,6 +68,20 @@ def passes_gradient(op: str, target: Any) -> bool:
     return op == "call_function" and any(target is f for f in _PASS_THROUGH_FUNCTIONS)
 
 
+_SHARING_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+_SHARING_METHODS = ("add", "add_")
+
+
+def shares_gradient(op: str, target: Any, kwargs: dict) -> bool:
+    """The op's backward hands its output's gradient, the same tensor, to every argument of the
+    output's shape and dtype (an addition without `alpha`: autograd's AddBackward)."""
+    if kwargs:
+        return False
+    if op == "call_method":
+        return target in _SHARING_METHODS
+    return op == "call_function" and any(target is f for f in _SHARING_FUNCTIONS)
+
+
 def implementations_for(op: str, target: Any, example_args=None, example_kwargs=None) -> list[Implementation]:
     """Implementations for one fx node; the first is always named "default"."""
     family = family_of(op, target)

@@ -275,6 +275,25 @@ def _reuse_kind(node: fx.Node, target: Any) -> str | None:
     return None
 
 
+def reuse_arguments_allow(kind: str, x: Any, y: Any = None) -> bool:
+    """The arguments let a ReLU ('relu') or an addition x + y ('add') write into x: x is a
+    dense, contiguous, non-empty floating tensor, and y a number or a tensor of x's dtype
+    in another storage that broadcasts to x's shape. (The rest of the condition depends on
+    the schedule: see `ScheduleExecutor._may_reuse`; the profiler records this half as
+    `Impl.fwd_in_place`, which `solver.simulate` counts.)"""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    if kind == "add":
+        if isinstance(y, torch.Tensor):
+            if y.dtype != x.dtype or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                return False
+            if torch.broadcast_shapes(x.shape, y.shape) != x.shape:
+                return False
+        elif not isinstance(y, (int, float)) or isinstance(y, bool):
+            return False
+    return x.numel() > 0 and _is_dense(x) and x.is_contiguous()
+
+
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
@@ -532,19 +551,11 @@ class ScheduleExecutor:
         if not isinstance(first, fx.Node) or first.name not in freed or first.name not in run.env:
             return False
         x = run.env[first.name]
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            return False
+        y = None
         if plan.reuse == "add":  # (_reuse_kind: exactly two positional arguments)
             other = node.args[1]
             y = self._value_of(run, other) if isinstance(other, fx.Node) else other
-            if isinstance(y, torch.Tensor):
-                if y.dtype != x.dtype or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-                    return False
-                if torch.broadcast_shapes(x.shape, y.shape) != x.shape:
-                    return False
-            elif not isinstance(y, (int, float)) or isinstance(y, bool):
-                return False
-        if x.numel() == 0 or not _is_dense(x) or not x.is_contiguous():
+        if not reuse_arguments_allow(plan.reuse, x, y):
             return False
         key = x.untyped_storage().data_ptr()
         return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
