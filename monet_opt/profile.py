@@ -46,12 +46,14 @@ from monet_opt.runtime.executor import (
     _save_rng,
     reuse_arguments_allow,
 )
+from monet_opt.storage import storage_key
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 6  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 7  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
+# 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -164,11 +166,9 @@ def _signature(node: fx.Node, target: Any, args: tuple, kwargs: dict, impl: str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
+    # (makes t's storage unstealable for the autograd engine, monet_opt/storage.py: only on
+    # tensors of the profiler's own measurement runs)
     return t.untyped_storage().nbytes()
 
 
@@ -263,7 +263,7 @@ def measure_node(
     saved: list[tuple[int, int]] = []  # (storage key, bytes): no reference, so the backward can free them
 
     def pack(t):
-        saved.append((_storage_key(t), _storage_bytes(t)))
+        saved.append((storage_key(t), _storage_bytes(t)))
         return t
 
     def forward():
@@ -271,7 +271,7 @@ def measure_node(
             return run(a, k)
 
     bgrads = fresh_grads()
-    fed = {_storage_key(g) for g in bgrads}
+    fed = {storage_key(g) for g in bgrads}
 
     def backward(out):
         o = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -302,9 +302,9 @@ def measure_node(
     input_ptrs: dict[int, list[int]] = {}
     for pos, v in enumerate(input_flat):
         if isinstance(v, torch.Tensor):
-            input_ptrs.setdefault(_storage_key(v), []).append(pos)
-    out_ptrs = {_storage_key(t) for t in flat_out}
-    param_ptrs = {_storage_key(p) for p in params}
+            input_ptrs.setdefault(storage_key(v), []).append(pos)
+    out_ptrs = {storage_key(t) for t in flat_out}
+    param_ptrs = {storage_key(p) for p in params}
     kept_input_flat: set[int] = set()
     keeps_output = False
     private: dict[int, int] = {}
@@ -320,8 +320,8 @@ def measure_node(
     state_bytes = sum(private.values()) if needs_grad else 0
     out_owned = sum(
         _storage_bytes(t)
-        for t in {_storage_key(t): t for t in flat_out}.values()
-        if _storage_key(t) not in input_ptrs
+        for t in {storage_key(t): t for t in flat_out}.values()
+        if storage_key(t) not in input_ptrs
     )
     fwd_workspace = max(0, fwd_peak - out_owned - state_bytes)
     bwd_workspace = 0
@@ -331,7 +331,7 @@ def measure_node(
         # output-activated BatchNorm: 1/8 of an activation, measured 3 MB over the prediction
         # on ResNet-50 b8 224)
         in_grads = sum(
-            _storage_bytes(x.grad) for x in leaves if x.grad is not None and _storage_key(x.grad) not in fed
+            _storage_bytes(x.grad) for x in leaves if x.grad is not None and storage_key(x.grad) not in fed
         )
         p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
         bwd_workspace = max(0, bwd_peak - in_grads - p_grads)
@@ -471,11 +471,11 @@ def build_problem(
         in_ptrs = {}
         for pos, val in enumerate(flat_vals):
             if isinstance(val, torch.Tensor):
-                in_ptrs.setdefault(_storage_key(val), positions[pos])
+                in_ptrs.setdefault(storage_key(val), positions[pos])
         alias_of = None
         owned: dict[int, int] = {}
         for t in flat_out:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key in in_ptrs:
                 if in_ptrs[key] is not None and alias_of is None:
                     alias_of = in_ptrs[key]

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.runtime.groups import Group, find_groups
+from monet_opt.storage import only_reference, spans_storage, storage_key
 from solver.schedule import Schedule
 
 # shared autograd graphs (runtime/groups.py) are on unless MONET_OPT_GROUPS=0
@@ -88,7 +89,7 @@ class _Leaf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if not _is_dense(grad):
+        if not spans_storage(grad):
             # a slice of a larger gradient (cat, split) or an expanded one: keep a dense copy,
             # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
             grad = grad.clone()
@@ -112,7 +113,7 @@ class _Dense(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad if _is_dense(grad) else grad.clone()
+        return grad if spans_storage(grad) else grad.clone()
 
 
 # ops whose backward returns slices of the gradient it is fed
@@ -128,19 +129,6 @@ def _flatten(value: Any) -> tuple[list, Any]:
 
 def _unflatten(flat: list, spec: Any) -> Any:
     return flat[0] if spec is None else tree_unflatten(flat, spec)
-
-
-def _only_reference(t: torch.Tensor) -> bool:
-    """Nothing but this tensor object refers to its memory (no other tensor on its storage, no
-    C++ holder such as the autograd engine's input buffers)."""
-    storage = t.untyped_storage()
-    # (the storage object made by `untyped_storage()` holds one reference of its own)
-    return t._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """t spans its whole storage (not a slice of, or an expanded view on, a larger one)."""
-    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 @dataclass
@@ -193,7 +181,7 @@ class _StepRun:
         self.env[name] = value
         if flat is None:
             flat = _flatten(value)[0]
-        keys = [t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)]
+        keys = [storage_key(t) for t in flat if isinstance(t, torch.Tensor)]
         self.value_keys[name] = keys
         refs = self.value_refs
         for k in keys:
@@ -285,13 +273,13 @@ def reuse_arguments_allow(kind: str, x: Any, y: Any = None) -> bool:
         return False
     if kind == "add":
         if isinstance(y, torch.Tensor):
-            if y.dtype != x.dtype or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            if y.dtype != x.dtype or storage_key(y) == storage_key(x):
                 return False
             if torch.broadcast_shapes(x.shape, y.shape) != x.shape:
                 return False
         elif not isinstance(y, (int, float)) or isinstance(y, bool):
             return False
-    return x.numel() > 0 and _is_dense(x) and x.is_contiguous()
+    return x.numel() > 0 and spans_storage(x) and x.is_contiguous()
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -464,7 +452,7 @@ class ScheduleExecutor:
         saved: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.add(t.untyped_storage().data_ptr())
+            saved.add(storage_key(t))
             return t
 
         with (
@@ -557,7 +545,7 @@ class ScheduleExecutor:
             y = self._value_of(run, other) if isinstance(other, fx.Node) else other
         if not reuse_arguments_allow(plan.reuse, x, y):
             return False
-        key = x.untyped_storage().data_ptr()
+        key = storage_key(x)
         return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
 
     def backward(self, run: _StepRun, name: str) -> None:
@@ -591,7 +579,7 @@ class ScheduleExecutor:
                 for (m, _), g in zip(state.outputs, fed)
             ]
         state.box.grads = fed
-        fed_keys = {g.untyped_storage().data_ptr() for g in fed if g is not None}
+        fed_keys = {storage_key(g) for g in fed if g is not None}
         del fed
         for source, pos, box in state.leaves:
             box.sink = functools.partial(self.accumulate, run, source, pos, fed_keys=fed_keys)
@@ -632,17 +620,17 @@ class ScheduleExecutor:
     @staticmethod
     def _holders(run: _StepRun, t: torch.Tensor) -> int:
         """How many gradient slots of this step hold t's storage."""
-        key = t.untyped_storage().data_ptr()
+        key = storage_key(t)
         held = [*(g for slots in run.grads.values() for g in slots), *run.input_grads.values()]
         held += list(run.param_grads.values())
-        return sum(1 for g in held if g is not None and g.untyped_storage().data_ptr() == key)
+        return sum(1 for g in held if g is not None and storage_key(g) == key)
 
     def _owned(self, run: _StepRun, name: str, g: torch.Tensor) -> bool:
         """g (name's gradient, already taken out of its slot) may be overwritten: no other slot
         holds its storage, it is dense, and it is not a model output's (the engine holds those)."""
         if any(src == name for src, _ in run.output_map):
             return False
-        if not _is_dense(g):
+        if not spans_storage(g):
             return False
         return self._holders(run, g) == 0
 
@@ -652,11 +640,11 @@ class ScheduleExecutor:
         """prev + g, in place unless prev's memory is shared: with another slot (autograd may
         hand the same gradient tensor to several leaves), with g, with a gradient fed to the
         running graph, or with anything else holding a reference (the engine's buffers)."""
-        key = prev.untyped_storage().data_ptr()
+        key = storage_key(prev)
         shared = (
             key in fed_keys
-            or g.untyped_storage().data_ptr() == key
-            or not _only_reference(prev)
+            or storage_key(g) == key
+            or not only_reference(prev)
             or self._holders(run, prev) > 1
         )
         return prev + g if shared else prev.add_(g)
