@@ -11,8 +11,9 @@ allocated a 6.1 MiB sum the memory model does not have, 1.1 MiB over the budget 
 step's peak, because the executor had asked for the outside gradient's storage.
 
 These helpers read the storage's address and reference count directly (no Python
-storage object), so tensors that pass through the runtime stay as stealable as in plain
-PyTorch. Use them, not `untyped_storage()`, on anything the engine may still accumulate.
+storage object), so gradients that pass through the runtime stay as stealable as in plain
+PyTorch. Use them, not `untyped_storage()`, on anything the engine may still accumulate;
+forward values and saved tensors are never accumulated, so `spans_storage` may ask them.
 """
 
 from __future__ import annotations
@@ -39,10 +40,19 @@ def only_reference(t: torch.Tensor) -> bool:
 def spans_storage(t: torch.Tensor) -> bool:
     """t covers its whole storage (not a slice of, or an expanded view on, a larger one).
 
-    A view is compared with its base; a tensor that is not a view is taken to own a storage
-    of its own size, which holds for operator outputs (only `resize_`/`set_` make others).
+    Exact, but asks for the storage object: use it on forward values, never on gradients.
     """
-    base = t._base if t._is_view() else None
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def gradient_spans_storage(g: torch.Tensor) -> bool:
+    """`spans_storage` for a gradient the autograd engine made, without a storage object.
+
+    The engine's slices and expansions of a gradient (cat's, split's, sum's backward) are views,
+    compared here with their base; a gradient that is not a view is an operator's output, with
+    a storage of its own size. (Not valid for detached tensors: `x[2:5].detach()` is no view.)
+    """
+    base = g._base if g._is_view() else None
     if base is None:
         return True
-    return base.numel() * base.element_size() == t.numel() * t.element_size()
+    return base.numel() * base.element_size() == g.numel() * g.element_size()

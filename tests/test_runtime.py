@@ -702,7 +702,7 @@ def test_outside_gradient_of_a_member_is_summed_in_place(monkeypatch):
 def test_storage_queries_leave_gradients_stealable():
     """After the runtime's storage helpers look at a gradient, the autograd engine still adds a
     second gradient into it in place (as it does for any tensor nobody else holds)."""
-    from monet_opt.storage import only_reference, spans_storage, storage_key, storage_use_count
+    from monet_opt.storage import gradient_spans_storage, only_reference, storage_key, storage_use_count
 
     class Root(torch.autograd.Function):
         @staticmethod
@@ -717,7 +717,7 @@ def test_storage_queries_leave_gradients_stealable():
 
     n = 1 << 12
     g = torch.randn(n)
-    storage_key(g), storage_use_count(g), spans_storage(g)
+    storage_key(g), storage_use_count(g), gradient_spans_storage(g)
     assert only_reference(g)
     address = g.data_ptr()
     inp = torch.randn(n, requires_grad=True)
@@ -729,3 +729,24 @@ def test_storage_queries_leave_gradients_stealable():
     a.register_hook(lambda grad: seen.append(grad.data_ptr()))
     torch.autograd.grad(root, [inp], torch.empty(0))
     assert seen == [address]
+
+
+def test_gradient_spans_storage_sees_the_engines_slices():
+    """The engine's slices and expansions of a gradient are views: told apart from whole ones
+    without asking for the storage (which would make it unstealable)."""
+    from monet_opt.storage import gradient_spans_storage, spans_storage
+
+    x = torch.randn(6, 4, requires_grad=True)
+    y = torch.randn(2, 4, requires_grad=True)
+    got = {}
+    x.register_hook(lambda g: got.setdefault("x", g))
+    y.register_hook(lambda g: got.setdefault("y", g))
+    (torch.cat([x, y]) * 2).sum().backward()  # cat's backward hands out slices
+    assert not gradient_spans_storage(got["x"]) and not gradient_spans_storage(got["y"])
+    z = torch.randn(6, 4, requires_grad=True)
+    z.register_hook(lambda g: got.setdefault("z", g))
+    z.sum().backward()  # sum's backward: an expansion of one number
+    assert not gradient_spans_storage(got["z"])
+    whole = torch.randn(6, 4)
+    assert gradient_spans_storage(whole) and gradient_spans_storage(whole.t())
+    assert spans_storage(whole) and not spans_storage(whole[2:].detach())

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.runtime.groups import Group, find_groups
-from monet_opt.storage import only_reference, spans_storage, storage_key
+from monet_opt.storage import gradient_spans_storage, only_reference, spans_storage, storage_key
 from solver.schedule import Schedule
 
 # shared autograd graphs (runtime/groups.py) are on unless MONET_OPT_GROUPS=0
@@ -89,7 +89,7 @@ class _Leaf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if not spans_storage(grad):
+        if not gradient_spans_storage(grad):
             # a slice of a larger gradient (cat, split) or an expanded one: keep a dense copy,
             # as a leaf's AccumulateGrad would, so the larger storage is not pinned by it
             grad = grad.clone()
@@ -113,7 +113,7 @@ class _Dense(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad if spans_storage(grad) else grad.clone()
+        return grad if gradient_spans_storage(grad) else grad.clone()
 
 
 # ops whose backward returns slices of the gradient it is fed
@@ -630,7 +630,7 @@ class ScheduleExecutor:
         holds its storage, it is dense, and it is not a model output's (the engine holds those)."""
         if any(src == name for src, _ in run.output_map):
             return False
-        if not spans_storage(g):
+        if not gradient_spans_storage(g):
             return False
         return self._holders(run, g) == 0
 
