@@ -20,15 +20,22 @@ from __future__ import annotations
 
 import torch
 
+_ADDRESS = getattr(torch._C, "_storage_address", None)
+
 
 def storage_key(t: torch.Tensor) -> int:
-    """An identifier of t's storage, equal for every tensor sharing it (while it lives)."""
-    return torch._C._storage_address(t)
+    """An identifier of t's storage (its StorageImpl's address), equal for every tensor sharing
+    it (while it lives)."""
+    if _ADDRESS is None:  # (older torch: the storage object, which those versions do not keep)
+        return t.untyped_storage()._cdata
+    return _ADDRESS(t)
 
 
 def storage_use_count(t: torch.Tensor) -> int:
     """How many tensors (or other C++ holders) refer to t's storage."""
-    return torch._C._storage_Use_Count(torch._C._storage_address(t))
+    if _ADDRESS is None:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # (the temporary object's)
+    return torch._C._storage_Use_Count(_ADDRESS(t))
 
 
 def only_reference(t: torch.Tensor) -> bool:
