@@ -75,6 +75,39 @@ def measure_step_peak(model: nn.Module, inputs: tuple) -> int:
     return peak
 
 
+def measure_stage_peaks(
+    wrapped: nn.Module, inputs: tuple, separate_graphs: bool = True
+) -> list[tuple[str, int]]:
+    """Peak bytes of each schedule stage in one training step of a `MonetWrapper` (CPU), after a
+    warm-up step: (stage name, peak above what was live before the step), in schedule order.
+
+    Set beside `solver.simulate(problem, schedule).stage_peaks` it shows where a measured peak
+    and the memory model part. The first backward stage's figure includes the loss. Shared
+    autograd graphs run a group's whole backward at its first member's stage, so by default the
+    step runs with one graph per node (`separate_graphs=False`: as the wrapper runs by default).
+    """
+    from monet_opt.memory import mark, segment_peaks, track_peak
+
+    executor = wrapped.executor
+    stages = executor.schedule.stages
+    groups, group_of = executor.groups, executor.group_of
+    if separate_graphs:
+        executor.separate_graphs()
+    executor.after_stage = lambda si: mark()
+    try:
+        zero_grad(wrapped)
+        training_step(wrapped, inputs)  # warm-up
+        zero_grad(wrapped)
+        with track_peak("cpu") as session:
+            training_step(wrapped, inputs)
+    finally:
+        executor.after_stage = None
+        executor.groups, executor.group_of = groups, group_of
+    zero_grad(wrapped)
+    segments = segment_peaks(session)  # one per stage, and what runs after the last one
+    return [(stage.name, peak) for stage, (_, peak) in zip(stages, segments)]
+
+
 def timed_step(model: nn.Module, inputs: tuple) -> float:
     """Seconds of one training step (gradients zeroed first, CUDA synchronised)."""
     zero_grad(model)

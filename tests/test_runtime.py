@@ -750,3 +750,25 @@ def test_gradient_spans_storage_sees_the_engines_slices():
     whole = torch.randn(6, 4)
     assert gradient_spans_storage(whole) and gradient_spans_storage(whole.t())
     assert spans_storage(whole) and not spans_storage(whole[2:].detach())
+
+
+def test_stage_peaks_are_measured_and_within_the_model():
+    """`measure_stage_peaks` splits one measured step by schedule stage: each stage's peak is the
+    simulator's for that stage, less at most the runtime reserve and 2 %, never more."""
+    from monet_opt.bench import measure_stage_peaks
+
+    torch.manual_seed(0)
+    model, x = models.narrow_resnet(batch=4, size=16, blocks=2)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    reserve = problem.meta["fixed_bytes_detail"]["runtime_reserve"]
+    schedule = baselines.chen_sqrt(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    groups = wrapped.executor.groups
+    measured = measure_stage_peaks(wrapped, (x,))
+    assert wrapped.executor.groups is groups  # shared graphs restored
+    simulated = solver.simulate(problem, schedule).stage_peaks
+    assert [name for name, _ in measured] == [stage.name for stage in schedule.stages]
+    for (name, peak), predicted in zip(measured, simulated):
+        assert peak <= predicted + LOSS_SCALARS, (name, peak, predicted)
+        assert predicted - peak <= reserve + 0.02 * predicted, (name, peak, predicted)

@@ -341,6 +341,8 @@ class ScheduleExecutor:
         }
         self.groups = find_groups(schedule, users, writes) if _GROUPS else []
         self.group_of: dict[str, Group] = {m: g for g in self.groups for m in g.members}
+        # called with a stage's index after its last step (`monet_opt.bench.measure_stage_peaks`)
+        self.after_stage: Callable[[int], None] | None = None
         # nodes with a backward stage: their outputs need gradients
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
@@ -692,6 +694,8 @@ class ScheduleExecutor:
                 run.pop_state(step.node)
             else:
                 raise ScheduleRuntimeError(f"stage {stage.name!r}: unknown step op {step.op!r}")
+        if self.after_stage is not None:
+            self.after_stage(si)
 
 
 def _group_key(group: Group) -> str:
