@@ -77,15 +77,22 @@ def assert_grads_close(got, expected, what):
     )
 
 
-def check_schedule(name: str, schedule: solver.Schedule):
-    model, x, problem = setup(name)
+def assert_same_gradients(model, wrapped, x, what: str):
+    """One step of `wrapped` (wrapping `model`) gives plain PyTorch's parameter gradients.
+    Returns the plain copy, stepped once (its buffers can be compared too)."""
     plain = copy.deepcopy(model)
-    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     expected = grads_after_step(plain, plain, x)
     got = grads_after_step(wrapped, model, x)
     assert expected.keys() == got.keys()
     for key in expected:
-        assert_grads_close(got[key], expected[key], f"{name}: grad of {key}")
+        assert_grads_close(got[key], expected[key], f"{what}: grad of {key}")
+    return plain
+
+
+def check_schedule(name: str, schedule: solver.Schedule):
+    model, x, problem = setup(name)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    plain = assert_same_gradients(model, wrapped, x, name)
     # BatchNorm running statistics advanced exactly once per step, as in plain training
     for (bn, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
         torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7, msg=f"{name}: buffer {bn}")
@@ -365,12 +372,8 @@ def test_builtin_gpt_runs_with_equal_gradients():
     problem = build_problem(model, (x,), progress=False, repeats=1)
     assert any("getitem" in n.inputs for n in problem.nodes)
     for schedule in (baselines.no_recompute(problem), baselines.multilevel(problem)):
-        plain = copy.deepcopy(model)
         wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-        expected = grads_after_step(plain, plain, x)
-        got = grads_after_step(wrapped, model, x)
-        for key in expected:
-            assert_grads_close(got[key], expected[key], f"gpt: grad of {key}")
+        assert_same_gradients(model, wrapped, x, "gpt")
 
 
 def _backward_calls(wrapped, x, monkeypatch) -> int:
@@ -447,11 +450,7 @@ def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch)
 
 def _check_not_above_prediction(model, wrapped, x, problem, schedule) -> None:
     """Gradients equal to plain PyTorch's; measured peak not above the simulator's."""
-    plain = copy.deepcopy(model)
-    expected = grads_after_step(plain, plain, x)
-    got = grads_after_step(wrapped, model, x)
-    for key in expected:
-        assert_grads_close(got[key], expected[key], f"grad of {key}")
+    assert_same_gradients(model, wrapped, x, type(model).__name__)
     peak, _ = measure_step(wrapped, (x,), steps=1)
     predicted = solver.simulate(problem, schedule).peak_bytes
     assert peak <= predicted, f"measured {peak} over predicted {predicted}"
@@ -645,12 +644,8 @@ def test_measured_peak_is_the_prediction_where_activations_dominate():
         baselines.checkpoint_all(problem),
         solver.solve(problem, low, time_limit=TIME_LIMIT, verbose=False),
     ):
-        plain = copy.deepcopy(model)
         wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-        expected = grads_after_step(plain, plain, x)
-        got = grads_after_step(wrapped, model, x)
-        for key in expected:
-            assert_grads_close(got[key], expected[key], f"{schedule.strategy}: grad of {key}")
+        assert_same_gradients(model, wrapped, x, schedule.strategy)
         peak, _ = measure_step(wrapped, (x,), steps=1)
         predicted = solver.simulate(problem, schedule).peak_bytes
         assert peak <= predicted + LOSS_SCALARS, (schedule.strategy, peak, predicted)
