@@ -131,19 +131,17 @@ def cmd_solve(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from monet_opt.pipeline import parse_budget, solve_model
+    from monet_opt.pipeline import parse_budget, sweep_model
 
     budgets = [parse_budget(b) for b in args.budgets.split(",")]
     spec, model, inputs, problem = _problem(args)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for b in budgets:
-        try:
-            _, schedule = solve_model(
-                model, inputs, b, time_limit=args.time_limit, verbose=False, problem=problem
-            )
-        except ValueError as exc:
+    # tightest budget first, each solve starting from the tighter plan (printed in the order given)
+    for b, schedule in zip(budgets, sweep_model(problem, budgets, time_limit=args.time_limit, verbose=False)):
+        if isinstance(schedule, Exception):
+            exc = schedule
             print(f"budget {b}: {exc}")
             rows.append(
                 {

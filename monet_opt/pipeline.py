@@ -67,15 +67,42 @@ def solve_model(
         example_inputs = (example_inputs,)
     problem = problem or build_problem(model, example_inputs, progress=verbose, meta=meta)
     budget = parse_budget(budget)
-    plain = no_recompute_peak(problem)
     if budget == "min":
         schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
     else:
         schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
+    return problem, _with_problem_meta(problem, schedule)
+
+
+def sweep_model(
+    problem: Problem, budgets: list, time_limit: float = 60.0, verbose: bool = True
+) -> list[Schedule | ValueError]:
+    """One schedule per budget (parsed as `parse_budget`; 'min' is solved alone), through
+    `solver.sweep`: tightest first, so a looser budget's schedule is never slower. Each entry is
+    the schedule or the error its budget raised, in the order given."""
+    parsed = [parse_budget(b) for b in budgets]
+    sized = [k for k, b in enumerate(parsed) if b != "min"]
+    out: list = [None] * len(parsed)
+    found = solver.sweep(problem, [parsed[k] for k in sized], time_limit=time_limit, verbose=verbose)
+    for k, result in zip(sized, found):
+        out[k] = result
+    for k, b in enumerate(parsed):
+        if b == "min":
+            try:
+                out[k] = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
+            except ValueError as exc:
+                out[k] = exc
+    return [r if isinstance(r, Exception) else _with_problem_meta(problem, r) for r in out]
+
+
+def _with_problem_meta(problem: Problem, schedule: Schedule) -> Schedule:
+    """The schedule with its problem's metadata (model, device, versions) and its budget as a
+    fraction of the no-recompute peak."""
+    plain = no_recompute_peak(problem)
     info = dict(problem.meta)
     info.update(schedule.meta)
     info.update(
         no_recompute_peak_bytes=plain,
         budget_fraction=round(schedule.budget_bytes / plain, 4) if schedule.budget_bytes else None,
     )
-    return problem, dataclasses.replace(schedule, meta=info)
+    return dataclasses.replace(schedule, meta=info)

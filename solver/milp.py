@@ -52,11 +52,15 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import scipy.sparse as sp
 
 from solver.plan import Analysis, Plan, StagePlan
+
+if TYPE_CHECKING:
+    from solver.schedule import Schedule
 
 
 @dataclass
@@ -859,7 +863,7 @@ def resolve_budget(problem, budget) -> int:
     return int(budget)
 
 
-def solve(
+def _solve(
     problem,
     budget,
     time_limit: float = 60.0,
@@ -870,8 +874,10 @@ def solve(
     warm_start: bool = True,
     window: int | str | None = "auto",
     start_plan: Plan | None = None,
-):
-    """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
+) -> tuple[Schedule, Plan | None]:
+    """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy).
+
+    The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
 
     Raises InfeasibleBudget when the budget is below the provable lower bound, and
     NoScheduleFound when neither the MILP (within `time_limit`) nor any baseline
@@ -879,8 +885,9 @@ def solve(
     replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
     fitting baseline is returned and `solver.status` says "fallback:<baseline>".
 
-    `start_plan`: a Plan known to fit (e.g. from `minimum_peak`), used as the warm start
-    when no baseline fits.
+    `start_plan`: a Plan known to fit (e.g. from `minimum_peak`, or a tighter budget's plan in a
+    sweep), used as the warm start when no baseline fits or when it is faster than the best
+    baseline; the result is never slower than it.
     `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
     None (the unbounded formulation only); see the module docstring.
     """
@@ -935,9 +942,17 @@ def solve(
         info = SolverInfo(
             name=base.solver.name, status=f"fallback:{base.strategy}", gap=gap, solve_time_s=elapsed
         )
-        return Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
+        sched = Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
+        return sched, plan_of(problem, base)
 
-    if start_plan is not None and (warm_plan is None or not warm_start):
+    start = None  # (schedule, plan) of start_plan, if it fits
+    if start_plan is not None:
+        start_sched = to_schedule(an, start_plan, "milp", SolverInfo(name="start-plan"), budget_bytes)
+        if simulate(problem, start_sched).peak_bytes <= budget_bytes:
+            start = (start_sched, start_plan)
+    if start is not None and (
+        warm_plan is None or not warm_start or start[0].predicted_time_s < base.predicted_time_s
+    ):
         warm_plan = start_plan
     if warm_plan is None and deadline - time.perf_counter() > 2.0:
         # no baseline fits: lower the peak with the MILP until a plan fits, and start from it
@@ -986,9 +1001,14 @@ def solve(
             )
             sched = to_schedule(an, warm_plan, "milp", info, budget_bytes)
             if simulate(problem, sched).peak_bytes <= budget_bytes:
-                return sched
+                return sched, warm_plan
+        if start is not None and (base is None or start[0].predicted_time_s < base.predicted_time_s):
+            info = SolverInfo(
+                name="highs-milp", status=f"fallback:start plan ({last_status})", solve_time_s=elapsed
+            )
+            return dataclasses.replace(start[0], solver=info), start[1]
         return fallback(f"MILP {last_status}")
-    sched, obj, _plan = best
+    sched, obj, plan = best
     if lad.proven is not None:
         w_last, gap, status = lad.proven
         bound = obj * (1.0 - gap)
@@ -1008,7 +1028,54 @@ def solve(
     sched = dataclasses.replace(sched, solver=info, meta={**sched.meta, **meta})
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
         return fallback("a baseline is faster", gap=gap)
-    return sched
+    if start is not None and start[0].predicted_time_s < sched.predicted_time_s - 1e-12:
+        info = SolverInfo(name="highs-milp", status="fallback:start plan (faster)", solve_time_s=elapsed)
+        return dataclasses.replace(start[0], solver=info), start[1]
+    return sched, plan
+
+
+def solve(
+    problem,
+    budget,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    mip_gap: float = 0.01,
+    solver: str = "highs",
+    threads: int = 2,
+    warm_start: bool = True,
+    window: int | str | None = "auto",
+    start_plan: Plan | None = None,
+):
+    """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute
+    peak): see `_solve`, which also gives the schedule's plan."""
+    return _solve(
+        problem, budget, time_limit, verbose, mip_gap, solver, threads, warm_start, window, start_plan
+    )[0]
+
+
+def sweep(problem, budgets, time_limit: float = 60.0, verbose: bool = True, **kw) -> list:
+    """`solve` for each budget, tightest first, each solve starting from the tighter budget's plan
+    (which fits the looser budget too): a looser budget's schedule is never slower than a tighter
+    one's. Returns, in the order given, each budget's Schedule or the error it raised
+    (InfeasibleBudget, NoScheduleFound, or ValueError for a budget that is no budget)."""
+    out: list = [None] * len(budgets)
+    sizes = {}
+    for k, b in enumerate(budgets):
+        try:
+            sizes[k] = resolve_budget(problem, b)
+        except ValueError as exc:  # (a fraction outside (0, 1], say)
+            out[k] = exc
+    order = sorted(sizes, key=sizes.get)
+    plan = None
+    for k in order:
+        try:
+            sched, found = _solve(problem, budgets[k], time_limit, verbose, start_plan=plan, **kw)
+        except InfeasibleBudget as exc:
+            out[k] = exc
+            continue
+        out[k] = sched
+        plan = found if found is not None else plan
+    return out
 
 
 def minimum_peak(problem, time_limit: float = 60.0, verbose: bool = True, window="auto", threads: int = 2):

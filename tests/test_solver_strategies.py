@@ -417,3 +417,39 @@ def test_peak_milp_stops_at_the_first_plan_under_its_target():
     res = form.solve_highs(30.0, warm=form.plan_to_vector(B.plan_of(p, start)))
     assert time.perf_counter() - t0 < 20.0, "did not stop at a plan under the target"
     assert res.plan is not None
+
+
+@pytest.mark.parametrize("name", ["resnet50", "random16"])
+def test_sweep_is_monotone_and_every_schedule_fits(name):
+    """A looser budget's schedule is never slower than a tighter one's: the sweep solves tightest
+    first and starts each solve from the tighter plan, which fits the looser budget too."""
+    from solver import sweep
+
+    p = PROBLEMS[name]
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    low, _ = B.min_known_peak(p)
+    budgets = [int(low + f * (peak0 - low)) for f in (0.9, 0.1, 0.4)]  # not in order
+    results = sweep(p, budgets, time_limit=1, verbose=False)
+    assert len(results) == len(budgets)
+    fitted = sorted((b, s) for b, s in zip(budgets, results) if not isinstance(s, Exception))
+    assert len(fitted) >= 2
+    for b, s in fitted:
+        _check(p, s, b)
+        assert s.budget_bytes == b
+    times = [s.predicted_time_s for _, s in fitted]
+    assert all(looser <= tighter + 1e-12 for tighter, looser in zip(times, times[1:])), times
+
+
+def test_solve_is_never_slower_than_its_start_plan():
+    """A start plan faster than every baseline is the solve's warm start, and the result is at
+    least as fast (here: the plan of an earlier solve at the same budget; 0.3 s is too short for
+    the MILP to improve on the baselines by itself)."""
+    from solver.milp import _solve
+
+    p = PROBLEMS["resnet50"]
+    budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
+    first, plan = _solve(p, budget, time_limit=6, verbose=False)
+    assert plan is not None
+    again = solve(p, budget, time_limit=0.3, verbose=False, start_plan=plan)
+    _check(p, again, budget)
+    assert again.predicted_time_s <= first.predicted_time_s + 1e-12
