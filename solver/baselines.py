@@ -586,15 +586,19 @@ def _state_cost(an: Analysis, i: int, m: int) -> tuple:
     return (kept + transient, im.fwd_time + im.bwd_time)
 
 
-def best_baseline(problem: Problem, budget: int, greedy_time: float = 10.0) -> Schedule | None:
-    """The fastest baseline schedule whose simulated peak fits `budget`, or None."""
+def fitting_baselines(problem: Problem, budget: int, greedy_time: float = 10.0) -> list[Schedule]:
+    """The baseline schedules whose simulated peak fits `budget`, fastest first."""
     fits = [
         s for s in all_baselines(problem, budget, greedy_time).values() if s.predicted_peak_bytes <= budget
     ]
-    if not fits:
-        return None
-    best = min(fits, key=lambda s: s.predicted_time_s)
-    return Schedule(**{**best.__dict__, "budget_bytes": int(budget)})
+    fits.sort(key=lambda s: s.predicted_time_s)
+    return [Schedule(**{**s.__dict__, "budget_bytes": int(budget)}) for s in fits]
+
+
+def best_baseline(problem: Problem, budget: int, greedy_time: float = 10.0) -> Schedule | None:
+    """The fastest baseline schedule whose simulated peak fits `budget`, or None."""
+    fits = fitting_baselines(problem, budget, greedy_time)
+    return fits[0] if fits else None
 
 
 def min_known_peak(problem: Problem) -> tuple[int, str]:

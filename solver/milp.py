@@ -891,7 +891,7 @@ def _solve(
     `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
     None (the unbounded formulation only); see the module docstring.
     """
-    from solver.baselines import analysis, best_baseline, min_known_peak, plan_of
+    from solver.baselines import analysis, fitting_baselines, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
     from solver.plan import PlanError, to_schedule
     from solver.schedule import Schedule, SolverInfo
@@ -911,7 +911,8 @@ def _solve(
         )
     an = analysis(problem)
     greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
-    base = best_baseline(problem, budget_bytes, greedy_time=greedy_time)
+    fits = fitting_baselines(problem, budget_bytes, greedy_time=greedy_time)
+    base = fits[0] if fits else None
     log(
         verbose,
         f"budget {budget_bytes} B, lower bound {lb} B; best baseline: "
@@ -978,7 +979,21 @@ def _solve(
                     f"minimising the peak, {low.scope()}); raise the budget or the time limit",
                     known,
                 )
-    lad = _ladder(problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose)
+    # the other fitting baselines, fastest first: warm starts if the window's rows reject the first
+    alternates = [plan_of(problem, s) for s in fits[1:]] if warm_start else []
+    alternates = [p for p in alternates if p is not None and p is not warm_plan]
+    lad = _ladder(
+        problem,
+        an,
+        budget_bytes,
+        window,
+        warm_plan,
+        deadline,
+        mip_gap,
+        threads,
+        verbose,
+        alternates=alternates,
+    )
     best, last, attempts = lad.best, lad.last, lad.attempts
     elapsed = time.perf_counter() - t_start
     w_last, res_last = last
@@ -1176,10 +1191,23 @@ def _recompute_time(impl) -> float:
 
 
 def _ladder(
-    problem, an, budget_bytes, window, warm_plan, deadline, mip_gap, threads, verbose, stop_at_peak=None
+    problem,
+    an,
+    budget_bytes,
+    window,
+    warm_plan,
+    deadline,
+    mip_gap,
+    threads,
+    verbose,
+    stop_at_peak=None,
+    alternates=(),
 ) -> _LadderResult:
     """Widen the recompute window while time remains; each MILP starts from the best plan so far.
-    budget_bytes=None minimises the peak (best = smallest simulated peak, then time)."""
+    budget_bytes=None minimises the peak (best = smallest simulated peak, then time).
+    alternates: further fitting plans, fastest first, to start from when the window's rows reject
+    warm_plan (the MILP counts an in-place forward as a new storage and an addition's shared
+    gradient buffer conservatively, so a plan that fits by the simulator may break a row)."""
     from solver.plan import PlanError, to_schedule
     from solver.schedule import SolverInfo
     from solver.simulate import ScheduleInvalid, simulate
@@ -1215,16 +1243,21 @@ def _ladder(
         remaining = deadline - time.perf_counter()
         if remaining < 1.0 and last is not None:
             break
-        form = Formulation(an, budget_bytes, window=w, warm_plan=warm_plan)
+        candidates = [p for p in (warm_plan, *alternates) if p is not None]
+        form, warm = None, None
+        for k, cand in enumerate(candidates):  # the fastest plan the window's rows accept
+            built = Formulation(an, budget_bytes, window=w, warm_plan=cand)
+            form = form or built
+            vec = built.plan_to_vector(cand)
+            bad = built.violations(vec)
+            if not bad:
+                form, warm, warm_plan = built, vec, cand
+                break
+            log(verbose, f"warm start {k + 1} violates {len(bad)} rows of the window-{w} MILP; not used")
+        if form is None:
+            form = Formulation(an, budget_bytes, window=w, warm_plan=None)
         if stop_at_peak is not None:
             form.stop_at_objective = stop_at_peak / 2**20
-        warm = None
-        if warm_plan is not None:
-            warm = form.plan_to_vector(warm_plan)
-            bad = form.violations(warm)
-            if bad:
-                log(verbose, f"warm start violates {len(bad)} rows of the window-{w} MILP; not used")
-                warm = None
         log(
             verbose,
             f"MILP ({what}), recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "

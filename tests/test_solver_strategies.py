@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
@@ -453,3 +454,38 @@ def test_solve_is_never_slower_than_its_start_plan():
     again = solve(p, budget, time_limit=0.3, verbose=False, start_plan=plan)
     _check(p, again, budget)
     assert again.predicted_time_s <= first.predicted_time_s + 1e-12
+
+
+def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch):
+    """The MILP's rows bound the simulator from above, so the fastest fitting baseline can break
+    a row (ResNet-50 b8 224 at 0.5: greedy broke 2 rows and the MILP, started cold, ended slower
+    than greedy). The next fitting baseline is then the warm start."""
+    from solver import milp
+    from solver.plan import to_schedule
+    from solver.schedule import SolverInfo
+
+    p = PROBLEMS["resnet50"]
+    budget = int(0.6 * B.no_recompute(p).predicted_peak_bytes)
+    fits = B.fitting_baselines(p, budget, greedy_time=1.0)
+    assert len(fits) >= 2
+    an = B.analysis(p)
+    rejected = B.plan_of(p, fits[0])
+    real = milp.Formulation.violations
+
+    def violations(form, x, tol=1e-6):
+        if np.array_equal(x, form.plan_to_vector(rejected)):
+            return [0]  # as if the fastest baseline broke a row
+        return real(form, x, tol)
+
+    started = []
+
+    def rins(form, plan, deadline, threads, verbose, accept):
+        started.append(to_schedule(an, plan, "x", SolverInfo(name="x"), budget).predicted_time_s)
+        return None
+
+    monkeypatch.setattr(milp.Formulation, "violations", violations)
+    monkeypatch.setattr(milp, "_rins", rins)
+    s = solve(p, budget, time_limit=4, verbose=False)
+    _check(p, s, budget)
+    assert started and started[0] > fits[0].predicted_time_s - 1e-12
+    assert any(abs(started[0] - f.predicted_time_s) < 1e-9 for f in fits[1:])
