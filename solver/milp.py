@@ -875,22 +875,7 @@ def _solve(
     window: int | str | None = "auto",
     start_plan: Plan | None = None,
 ) -> tuple[Schedule, Plan | None]:
-    """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy).
-
-    The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
-
-    Raises InfeasibleBudget when the budget is below the provable lower bound, and
-    NoScheduleFound when neither the MILP (within `time_limit`) nor any baseline
-    finds a fitting schedule. Never returns a schedule over budget: the result is
-    replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
-    fitting baseline is returned and `solver.status` says "fallback:<baseline>".
-
-    `start_plan`: a Plan known to fit (e.g. from `minimum_peak`, or a tighter budget's plan in a
-    sweep), used as the warm start when no baseline fits or when it is faster than the best
-    baseline; the result is never slower than it.
-    `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
-    None (the unbounded formulation only); see the module docstring.
-    """
+    """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy)."""
     from solver.baselines import analysis, fitting_baselines, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
     from solver.plan import PlanError, to_schedule
@@ -923,12 +908,17 @@ def _solve(
         ),
     )
 
-    warm_plan = None
-    if warm_start and base is not None:
-        try:
-            warm_plan = plan_of(problem, base)
-        except (PlanError, KeyError) as exc:  # pragma: no cover - defensive
-            log(verbose, f"warm start unavailable: {exc}")
+    base_plans = []  # the fitting baselines' plans, fastest first: warm starts
+    if warm_start:
+        for fit in fits:
+            try:
+                plan = plan_of(problem, fit)
+            except (PlanError, KeyError) as exc:  # pragma: no cover - defensive
+                log(verbose, f"warm start {fit.strategy} unavailable: {exc}")
+                continue
+            if plan is not None:
+                base_plans.append(plan)
+    warm_plan = base_plans[0] if base_plans else None
 
     def fallback(reason: str, gap=None):
         elapsed = time.perf_counter() - t_start
@@ -946,13 +936,18 @@ def _solve(
         sched = Schedule(**{**base.__dict__, "solver": info, "budget_bytes": budget_bytes})
         return sched, plan_of(problem, base)
 
-    start = None  # (schedule, plan) of start_plan, if it fits
+    start = None  # start_plan's schedule, if it fits
+
+    def from_start(status: str):
+        info = SolverInfo(name="highs-milp", status=status, solve_time_s=time.perf_counter() - t_start)
+        return dataclasses.replace(start, solver=info), start_plan
+
     if start_plan is not None:
         start_sched = to_schedule(an, start_plan, "milp", SolverInfo(name="start-plan"), budget_bytes)
         if simulate(problem, start_sched).peak_bytes <= budget_bytes:
-            start = (start_sched, start_plan)
+            start = start_sched
     if start is not None and (
-        warm_plan is None or not warm_start or start[0].predicted_time_s < base.predicted_time_s
+        warm_plan is None or not warm_start or start.predicted_time_s < base.predicted_time_s
     ):
         warm_plan = start_plan
     if warm_plan is None and deadline - time.perf_counter() > 2.0:
@@ -980,8 +975,7 @@ def _solve(
                     known,
                 )
     # the other fitting baselines, fastest first: warm starts if the window's rows reject the first
-    alternates = [plan_of(problem, s) for s in fits[1:]] if warm_start else []
-    alternates = [p for p in alternates if p is not None and p is not warm_plan]
+    alternates = [p for p in base_plans if p is not warm_plan]
     lad = _ladder(
         problem,
         an,
@@ -1017,11 +1011,8 @@ def _solve(
             sched = to_schedule(an, warm_plan, "milp", info, budget_bytes)
             if simulate(problem, sched).peak_bytes <= budget_bytes:
                 return sched, warm_plan
-        if start is not None and (base is None or start[0].predicted_time_s < base.predicted_time_s):
-            info = SolverInfo(
-                name="highs-milp", status=f"fallback:start plan ({last_status})", solve_time_s=elapsed
-            )
-            return dataclasses.replace(start[0], solver=info), start[1]
+        if start is not None and (base is None or start.predicted_time_s < base.predicted_time_s):
+            return from_start(f"fallback:start plan ({last_status})")
         return fallback(f"MILP {last_status}")
     sched, obj, plan = best
     if lad.proven is not None:
@@ -1043,9 +1034,8 @@ def _solve(
     sched = dataclasses.replace(sched, solver=info, meta={**sched.meta, **meta})
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
         return fallback("a baseline is faster", gap=gap)
-    if start is not None and start[0].predicted_time_s < sched.predicted_time_s - 1e-12:
-        info = SolverInfo(name="highs-milp", status="fallback:start plan (faster)", solve_time_s=elapsed)
-        return dataclasses.replace(start[0], solver=info), start[1]
+    if start is not None and start.predicted_time_s < sched.predicted_time_s - 1e-12:
+        return from_start("fallback:start plan (faster)")
     return sched, plan
 
 
@@ -1061,8 +1051,20 @@ def solve(
     window: int | str | None = "auto",
     start_plan: Plan | None = None,
 ):
-    """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute
-    peak): see `_solve`, which also gives the schedule's plan."""
+    """The fastest schedule whose simulated peak fits `budget` (bytes, or fraction of no-recompute peak).
+
+    Raises InfeasibleBudget when the budget is below the provable lower bound, and
+    NoScheduleFound when neither the MILP (within `time_limit`) nor any baseline
+    finds a fitting schedule. Never returns a schedule over budget: the result is
+    replayed with `solver.simulate`; if the MILP's schedule did not fit, the best
+    fitting baseline is returned and `solver.status` says "fallback:<baseline>".
+
+    `start_plan`: a Plan known to fit (e.g. from `minimum_peak`, or a tighter budget's plan in a
+    sweep), used as the warm start when no baseline fits or when it is faster than the best
+    baseline; the result is never slower than it.
+    `window`: "auto" (widen 6 -> 12 -> 24 -> unbounded while time remains), an int, or
+    None (the unbounded formulation only); see the module docstring.
+    """
     return _solve(
         problem, budget, time_limit, verbose, mip_gap, solver, threads, warm_start, window, start_plan
     )[0]
