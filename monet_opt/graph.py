@@ -480,6 +480,9 @@ class _Measure(fx.Interpreter):
         saved: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            # detached: the graph holds this hook, and a saved output would hold its own
+            # grad_fn (a cycle no collector frees: the wrapper kept 9.4 MB of narrow_resnet's)
+            t = t.detach()
             saved.append(t)
             return t
 

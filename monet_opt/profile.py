@@ -264,7 +264,7 @@ def measure_node(
 
     def pack(t):
         saved.append((storage_key(t), _storage_bytes(t)))
-        return t
+        return t.detach()  # not t: a saved output would hold its own grad_fn (a leaked cycle)
 
     def forward():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

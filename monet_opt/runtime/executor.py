@@ -455,7 +455,9 @@ class ScheduleExecutor:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.add(storage_key(t))
-            return t
+            # not t itself: a saved output packed as itself holds its own grad_fn, a cycle that
+            # no collector frees when the state is dropped without its backward (`free_state`)
+            return t.detach()
 
         with (
             torch.enable_grad() if grad else torch.no_grad(),
