@@ -16,6 +16,7 @@ DIR/frontier_<model>.csv and DIR/frontier_<model>.png (memory ratio vs overhead)
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import datetime
 import math
@@ -35,6 +36,7 @@ import solver
 from monet_opt.bench import interleaved_times, measure_step, training_step, zero_grad
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
+from monet_opt.step_in_backward import OPTIMIZERS, fuse_into_backward, optimizer_factory
 from monet_opt.zoo import ModelSpec
 
 MiB = 2**20
@@ -159,6 +161,67 @@ def measure_compiled(
     return peak, step_s, plain_s, compile_s
 
 
+# -- the optimizer step in the backward ---------------------------------------------------
+def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int, say) -> list[Row]:
+    """Plain PyTorch with the optimizer step fused into the backward (post-accumulate-grad hooks),
+    then monet-opt's schedules solved with it. Each monet-opt step is timed against the fused plain
+    model (both do the optimizer's work); memory ratios are to plain PyTorch's peak, as above.
+    The models train on copies: `model` stays as it was for the rows after."""
+    name = args.step_in_backward
+    factory = optimizer_factory(name)
+    fused = copy.deepcopy(model)
+    fuse_into_backward(fused, factory)
+    say(f"plain PyTorch, {name} step in the backward")
+    peak, t, tp = measure_paired(model, fused, inputs, args.steps)
+    rows = [
+        Row(
+            f"plain + {name} step in backward",
+            "—",
+            peak,
+            t,
+            plain_step_s=tp,
+            note="register_post_accumulate_grad_hook; its time includes the optimizer step",
+        )
+    ]
+    say("monet-opt, step in the backward: profiling")
+    problem = build_problem(model, inputs, progress=args.verbose, calibrate=args.calibrate, optimizer=name)
+    problem.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_problem.json")
+    say(f"monet-opt, step in the backward: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
+    solved = solver.sweep(
+        problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
+    )
+    for f, sched in zip(args.budgets, solved):
+        budget_bytes = int(f * plain_peak)
+        label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
+        method = f"monet-opt + {name} step in backward"
+        if isinstance(sched, (solver.NoScheduleFound, solver.InfeasibleBudget)):
+            rows.append(Row(method, label, status=short_error(sched), solve_s=args.time_limit))
+            continue
+        sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_{f:g}.json")
+        row = Row(
+            method,
+            label,
+            pred_peak_bytes=sched.predicted_peak_bytes,
+            pred_time_s=sched.predicted_time_s,
+            status=sched.solver.status,
+            gap=sched.solver.gap,
+            solve_s=sched.solver.solve_time_s,
+            note=f"{len(sched.recomputed())} nodes recomputed; overhead vs the fused plain step",
+        )
+        say(f"monet-opt, step in the backward: budget {label}")
+        try:
+            wrapped = MonetWrapper(copy.deepcopy(model), sched, example_inputs=inputs, optimizer=name)
+            row.peak_bytes, row.step_s, row.plain_step_s = measure_paired(fused, wrapped, inputs, args.steps)
+            if row.peak_bytes > budget_bytes:
+                row.note += "; MEASURED OVER BUDGET"
+        except Exception as exc:
+            traceback.print_exc()
+            row.status += "; run failed"
+            row.note += "; " + short_error(exc)
+        rows.append(row)
+    return rows
+
+
 # -- the run ------------------------------------------------------------------------------
 def fmt_mib(b) -> str:
     return "—" if b is None else f"{b / MiB:.1f}"
@@ -273,6 +336,9 @@ def run(args) -> list[Row]:
             row.note += "; " + short_error(exc)
         rows.append(row)
         log(f"  {row}")
+
+    if args.step_in_backward:
+        rows += step_in_backward_rows(args, model, inputs, plain_peak, say)
 
     # torch.compile with activation_memory_budget
     if args.no_compile:
@@ -409,6 +475,12 @@ def parse_args(argv=None):
         action="store_true",
         help="time every implementation inside real training steps too (monet_opt.calibrate): "
         "predicted step times close to measured ones",
+    )
+    ap.add_argument(
+        "--step-in-backward",
+        metavar="OPTIMIZER",
+        choices=sorted(OPTIMIZERS),
+        help="also measure plain PyTorch and monet-opt with this optimizer's step fused into the backward",
     )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5")

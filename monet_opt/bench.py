@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -207,12 +208,22 @@ def spec_of(schedule: Schedule):
 def bench_model(
     model: nn.Module, inputs: tuple, schedule: Schedule, steps: int = 3, name: str = ""
 ) -> BenchResult:
+    """Measured peak and step time of `schedule` beside plain PyTorch's. A schedule solved with the
+    optimizer step in the backward runs on a copy of the model with that optimizer, timed against
+    a plain copy with the same step fused into its backward (both do the optimizer's work)."""
     from monet_opt.runtime import MonetWrapper
+    from monet_opt.step_in_backward import fuse_into_backward, optimizer_factory
 
     plain_peak = measure_step_peak(model, inputs)
-    wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
+    optimizer = schedule.meta.get("step_in_backward", {}).get("optimizer")
+    plain = model
+    if optimizer is not None:
+        plain = copy.deepcopy(model)
+        fuse_into_backward(plain, optimizer_factory(optimizer))
+        model = copy.deepcopy(model)
+    wrapped = MonetWrapper(model, schedule, example_inputs=inputs, optimizer=optimizer)
     peak = measure_step_peak(wrapped, inputs)
-    plain_t, t = interleaved_times(model, wrapped, inputs, steps)
+    plain_t, t = interleaved_times(plain, wrapped, inputs, steps)
     return BenchResult(
         name,
         schedule.budget_bytes,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
 from solver.problem import Problem
 
 MIN_SCALE, MAX_SCALE = 0.25, 50.0
@@ -48,7 +49,11 @@ class _StepTimer:
             pick = {n.name: impl for n in problem.nodes if any(im.name == impl for im in n.impls)}
         self.model = model
         self.inputs = example_inputs
-        self.wrapped = MonetWrapper(model, no_recompute(problem, impls=pick), example_inputs=example_inputs)
+        schedule = no_recompute(problem, impls=pick)
+        # timed without an optimizer step in the backward (it would change the model's weights)
+        plain_fingerprint = schedule.fingerprint.removesuffix(FINGERPRINT_SUFFIX)
+        schedule = dataclasses.replace(schedule, fingerprint=plain_fingerprint)
+        self.wrapped = MonetWrapper(model, schedule, example_inputs=example_inputs)
         ex = self.wrapped.executor
         ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
         self.fwd: dict[str, list[float]] = defaultdict(list)

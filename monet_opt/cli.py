@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+# monet_opt.step_in_backward.OPTIMIZERS' names (not imported: the CLI loads torch only when it runs)
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")
+
 MiB = 2**20
 
 
@@ -36,6 +39,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time every implementation inside real training steps too (slower to profile; "
         "predicted step times closer to measured ones)",
+    )
+    p.add_argument(
+        "--step-in-backward",
+        metavar="OPTIMIZER",
+        choices=OPTIMIZER_NAMES,
+        help="solve for training with this optimizer's step inside the backward: each parameter "
+        "updated, and its gradient freed, once its gradient is complete (run the schedule with "
+        "MonetWrapper(..., optimizer=OPTIMIZER)); choices: %(choices)s",
     )
 
 
@@ -66,6 +77,7 @@ def _problem(args, quiet: bool = False):
         use_cache=not args.no_cache,
         progress=not quiet,
         calibrate=getattr(args, "calibrate", False),
+        optimizer=getattr(args, "step_in_backward", None),
         meta={
             "model": spec.name,
             "batch": spec.batch,

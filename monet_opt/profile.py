@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -46,6 +47,7 @@ from monet_opt.runtime.executor import (
     _save_rng,
     reuse_arguments_allow,
 )
+from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, optimizer_factory, step_bytes_per_param_byte
 from monet_opt.storage import storage_key
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem
@@ -388,6 +390,7 @@ def build_problem(
     graph: OpGraph | None = None,
     meta: dict | None = None,
     calibrate: bool = False,
+    optimizer: Any = None,
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -395,7 +398,12 @@ def build_problem(
     training step (`monet_opt.calibrate`; three steps per implementation name, never cached;
     ResNet-50 b8 224 on CPU: six names, ~65 s). Isolated timings misjudge memory-bound
     kernels unevenly (torch's BatchNorm backward is 4x faster in a step than alone, the
-    in-place one is not), so schedules meant to be fast should be solved calibrated."""
+    in-place one is not), so schedules meant to be fast should be solved calibrated.
+
+    optimizer: a factory (`params -> torch.optim.Optimizer`) or a name in
+    `monet_opt.step_in_backward.OPTIMIZERS`: the optimizer steps inside the backward, each
+    parameter as soon as its gradient is complete, and its gradient is freed then. The
+    problem's fingerprint says so; run its schedules with `MonetWrapper(..., optimizer=...)`."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -431,6 +439,7 @@ def build_problem(
     requires_grad: set[str] = set()
     random_nodes: list[str] = []
     param_owner: dict[int, str] = {}
+    param_users: dict[int, list[str]] = {}
     param_bytes: dict[int, int] = {}
     rows: list[dict] = []
     for fx_node in fx_nodes:
@@ -468,6 +477,8 @@ def build_problem(
         for p in params:
             param_owner[id(p)] = fx_node.name  # the last user in topo order runs backward first
             param_bytes[id(p)] = p.numel() * p.element_size()
+            if p.requires_grad:
+                param_users.setdefault(id(p), []).append(fx_node.name)
         in_ptrs = {}
         for pos, val in enumerate(flat_vals):
             if isinstance(val, torch.Tensor):
@@ -562,14 +573,18 @@ def build_problem(
     owner_bytes: dict[str, int] = {}
     for pid, owner in param_owner.items():
         owner_bytes[owner] = owner_bytes.get(owner, 0) + param_bytes[pid]
+    backward_nodes = {row["name"] for row in rows if row["name"] in requires_grad and row["name"] in reaches}
+    freed, step, step_ratio = _steps_in_backward(optimizer, device, param_users, param_bytes, backward_nodes)
     nodes = []
     for row in rows:
-        backward = row["name"] in requires_grad and row["name"] in reaches
+        backward = row["name"] in backward_nodes
         nodes.append(
             Node(
                 **row,
                 requires_backward=backward,
                 param_grad_bytes=owner_bytes.get(row["name"], 0) if backward else 0,
+                param_grad_freed_bytes=freed.get(row["name"], 0),
+                param_step_bytes=step.get(row["name"], 0),
             )
         )
     info = {
@@ -600,12 +615,47 @@ def build_problem(
     }
     # (memos counted for every node that may keep one, recomputed or not: they are small)
     fixed = rng_bytes + RUNTIME_RESERVE_BYTES + memo_bytes
-    problem = Problem(nodes=tuple(nodes), fingerprint=graph.fingerprint, fixed_bytes=fixed, meta=info)
+    fingerprint = graph.fingerprint
+    if optimizer is not None:
+        fingerprint += FINGERPRINT_SUFFIX
+        info["step_in_backward"] = {
+            "optimizer": optimizer if isinstance(optimizer, str) else repr(optimizer),
+            "step_bytes_per_param_byte": step_ratio,
+        }
+    problem = Problem(nodes=tuple(nodes), fingerprint=fingerprint, fixed_bytes=fixed, meta=info)
     if calibrate and any(n.requires_backward for n in nodes):
         from monet_opt.calibrate import calibrate_in_situ
 
         problem = calibrate_in_situ(model, example_inputs, problem)
     return problem
+
+
+def _steps_in_backward(
+    optimizer: Any,
+    device: torch.device,
+    users: dict[int, list[str]],
+    nbytes: dict[int, int],
+    backward: set[str],
+) -> tuple[dict[str, int], dict[str, int], float]:
+    """Per node, the parameter-gradient bytes an optimizer step in the backward frees after the
+    node's backward (parameters whose last backward, i.e. first reader with a backward in
+    topological order, it is), and the step's transient bytes: the optimizer's temporaries for
+    the largest of them (parameters step one at a time); and the measured step bytes per
+    parameter byte. Nothing without an optimizer."""
+    if optimizer is None:
+        return {}, {}, 0.0
+    factory = optimizer_factory(optimizer) if isinstance(optimizer, str) else optimizer
+    ratio = step_bytes_per_param_byte(factory, device)
+    freed: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    for pid, names in users.items():
+        last = next((n for n in names if n in backward), None)
+        if last is None:
+            continue
+        freed[last] = freed.get(last, 0) + nbytes[pid]
+        largest[last] = max(largest.get(last, 0), nbytes[pid])
+    step = {name: math.ceil(ratio * b) for name, b in largest.items()}
+    return freed, step, round(ratio, 4)
 
 
 def _grad_in_place_position(impl: Implementation, flat_vals: list, positions: list, flat_out: list):

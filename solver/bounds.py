@@ -32,7 +32,10 @@ def _backward_bound(an: Analysis, s: int) -> int:
         kept = sum(an.a[b] for b in an.kept_bases[t][m] if b not in user)
         v = im.state_bytes + kept + im.bwd_workspace - an.grad_saving(t, m)
         best = v if best is None else min(best, v)
-    return an.stage_const[s] + (best or 0) + an.bwd_extra_base[s]
+    # (an optimizer step after t's backward: its temporaries beside at least the fixed bytes and
+    # the outputs the user holds)
+    step = an.problem.fixed_bytes + an.user_bytes + an.bwd_step[s]
+    return max(an.stage_const[s] + (best or 0) + an.bwd_extra_base[s], step)
 
 
 def _compute_bound(an: Analysis, i: int) -> int:

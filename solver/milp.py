@@ -446,9 +446,10 @@ class Formulation:
                     coefs.append(an.a[b])
             _add_state_terms(an, A2, cols, coefs)
             self._mem_row(cols, coefs, an.stage_const[s] + an.bwd_extra_base[s])
-            if an.bwd_accumulate[s]:
+            if an.bwd_accumulate[s] or an.bwd_step[s]:
                 # then, t's state dropped and its workspace freed, gradients added into a shared
-                # one are summed into new buffers: what is carried, the new input gradients
+                # one are summed into new buffers, and an optimizer step in the backward makes its
+                # temporaries: what is carried, the new input gradients (all: conservative)
                 acc_cols, acc_coefs = [], []
                 for m, c in tcols:
                     if an.grad_saving(t, m):
@@ -460,9 +461,8 @@ class Formulation:
                         acc_coefs.append(an.a[b])
                 _add_state_terms(an, A2, acc_cols, acc_coefs)
                 md.tag = ("mem_bwd_accumulate", s, t)
-                self._mem_row(
-                    acc_cols, acc_coefs, an.stage_const[s] + an.bwd_extra_base[s] + an.bwd_accumulate[s]
-                )
+                after = max(an.bwd_accumulate[s], an.bwd_step[s])
+                self._mem_row(acc_cols, acc_coefs, an.stage_const[s] + an.bwd_extra_base[s] + after)
 
         # forward memory per step
         md.tag = ("mem_fwd",)

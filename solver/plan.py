@@ -113,6 +113,7 @@ class Analysis:
         self.stage_const: list[int] = []  # fixed + user-held outputs + live grads + param grads
         self.bwd_extra_base: list[int] = []  # new input grads + param grads of t (transient)
         self.bwd_accumulate: list[int] = []  # sums into new buffers after t's backward (transient)
+        self.bwd_step: list[int] = []  # an optimizer step after t's backward (transient)
         self.fed_shared: list[bool] = [False] * self.n  # t's gradient buffer is shared at its backward
         for t in self.bw:
             if t not in slot:
@@ -124,7 +125,10 @@ class Analysis:
             self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + live + pgrad)
             gin = [(pos, j) for pos, j in enumerate(self.inputs[t]) if self.rb[j]]
             self.bwd_extra_base.append(sum(nodes[j].grad_bytes for _, j in gin) + nodes[t].param_grad_bytes)
-            pgrad += nodes[t].param_grad_bytes
+            # an optimizer step in the backward: its temporaries once t's state is dropped, then
+            # its parameters' gradients freed from the next stage on
+            self.bwd_step.append(nodes[t].param_step_bytes)
+            pgrad += nodes[t].param_grad_bytes - nodes[t].param_grad_freed_bytes
             own = slot.pop(t)
             self.fed_shared[t] = len(bufs[own][1]) > 1
             fed = new(nodes[t].grad_bytes) if self.fed_shared[t] else own

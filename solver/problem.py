@@ -18,8 +18,8 @@ from pathlib import Path
 from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared
-PROBLEM_FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # (older files still load)
+PROBLEM_FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -87,6 +87,10 @@ class Node:
     requires_backward: the node has a backward stage (gradient reaches it and it
         has a parameter or an input that needs a gradient).
     param_grad_bytes: parameter-gradient bytes first allocated by this node's backward.
+    param_grad_freed_bytes: parameter-gradient bytes freed right after this node's backward,
+        when the optimizer steps inside the backward (`monet_opt` "step in backward": each
+        parameter is updated, and its gradient dropped, once its last reader's backward ran).
+    param_step_bytes: transient bytes of that optimizer step (its temporaries).
     is_output: the model returns this value; the user holds it until the step ends.
     """
 
@@ -100,6 +104,8 @@ class Node:
     requires_backward: bool = False
     param_grad_bytes: int = 0
     is_output: bool = False
+    param_grad_freed_bytes: int = 0
+    param_step_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -180,6 +186,10 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                 )
         if not node.impls:
             raise ProblemError(f"node {node.name!r} has no implementation")
+        if min(node.param_grad_bytes, node.param_grad_freed_bytes, node.param_step_bytes) < 0:
+            raise ProblemError(f"node {node.name!r}: negative parameter-gradient bytes")
+        if (node.param_grad_freed_bytes or node.param_step_bytes) and not node.requires_backward:
+            raise ProblemError(f"node {node.name!r}: an optimizer step after a backward it does not have")
         if node.alias_of is not None and not 0 <= node.alias_of < len(node.inputs):
             raise ProblemError(f"node {node.name!r}: alias_of {node.alias_of} is not an input position")
         for impl in node.impls:

@@ -28,7 +28,10 @@ batch are not counted. Live at any moment is the sum of:
   once (an addition hands its gradient to both arguments): its bytes count once, while
   anything holds it.
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
-  backward and stay to the end of the step (zero_grad(set_to_none=True)).
+  backward and stay to the end of the step (zero_grad(set_to_none=True)), except
+  `param_grad_freed_bytes` of a node (optimizer step inside the backward): freed right
+  after that node's backward, once its input gradients are accumulated, after a
+  transient peak of live + `param_step_bytes` (the optimizer's temporaries).
 * `fixed_bytes` of the problem, always.
 
 Transient peaks:
@@ -328,6 +331,9 @@ class _Replay:
                 self._grad_release(prev, ("slot", name))
             self._grad_release(buf, ("new", name))  # (added into prev in place, or now prev)
         self._grad_release(fed, ("fed", node.name))
+        if node.param_grad_freed_bytes or node.param_step_bytes:  # optimizer step, then free
+            self._bump(node.param_step_bytes)
+            self.live -= node.param_grad_freed_bytes
         self.backed.add(node.name)
         return impl.bwd_time
 

@@ -164,6 +164,7 @@ class _StepRun:
     inputs: dict[str, Any] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> gradient
+    param_left: dict[int, int] = field(default_factory=dict)  # id(param) -> backwards still to run
     flat_len: dict[str, int] = field(default_factory=dict)
     output_map: list[tuple[str, int]] = field(default_factory=list)
     # storages (data_ptr) held by the value handles in env, and saved by the live states:
@@ -209,6 +210,7 @@ class _StepRun:
             self.linked,
             self.pending,
             self.memos,
+            self.param_left,
         ):
             held.clear()
 
@@ -295,6 +297,8 @@ class ScheduleExecutor:
     def __init__(self, gm: fx.GraphModule, schedule: Schedule) -> None:
         self.gm = gm
         self.schedule = schedule
+        self.param_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self.param_readers: dict[int, int] = {}
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.plans: dict[str, _Plan] = {}
@@ -552,7 +556,33 @@ class ScheduleExecutor:
         key = storage_key(x)
         return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
 
+    def step_in_backward(self, step: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Call `step(param, grad)` as soon as a parameter's gradient is complete (after the
+        backward of the last node reading it) and drop the gradient: it never reaches `.grad`.
+        Every node gets its own graph: a group's one backward call would make all its members'
+        parameter gradients at once, where the memory model frees each after its node."""
+        self.separate_graphs()
+        self.param_step = step
+        readers: Counter = Counter()
+        for stage in self.schedule.stages:
+            for s in stage.steps:
+                if s.op == "backward":
+                    readers.update(id(p) for p in self.plans[s.node].params)
+        self.param_readers = dict(readers)
+
     def backward(self, run: _StepRun, name: str) -> None:
+        self._backward(run, name)
+        if self.param_step is None:
+            return
+        for param in self.plans[name].params:
+            key = id(param)
+            left = run.param_left[key] = run.param_left.get(key, self.param_readers[key]) - 1
+            if left == 0:
+                g = run.param_grads.pop(key, None)
+                if g is not None:
+                    self.param_step(param, g)
+
+    def _backward(self, run: _StepRun, name: str) -> None:
         group = self.group_of.get(name)
         if group is not None:
             if _group_key(group) not in run.states:

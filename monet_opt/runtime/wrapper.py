@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from monet_opt.runtime.executor import ScheduleExecutor
-from solver.schedule import Schedule
+from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
+from solver.schedule import FingerprintMismatch, Schedule
 
 
 class InputShapeMismatch(ValueError):
@@ -88,6 +89,14 @@ class MonetWrapper(nn.Module):
     shortcut such as "resnet50@0.5". input_shape: the shape (or tuple of shapes)
     the schedule was solved for. In eval mode, or under no_grad, the model runs
     plainly.
+
+    optimizer: for a schedule solved with the optimizer step in the backward
+    (`build_problem(..., optimizer=...)`), the same optimizer: a factory
+    (`params -> torch.optim.Optimizer`, called once per parameter) or a name in
+    `monet_opt.step_in_backward.OPTIMIZERS`. Each parameter is then updated inside
+    `loss.backward()` as soon as its gradient is complete, and `.grad` stays None:
+    call neither `optimizer.step()` nor `zero_grad()`. The per-parameter optimizers are
+    `wrapper.steps.optimizers`.
     """
 
     def __init__(
@@ -96,6 +105,7 @@ class MonetWrapper(nn.Module):
         schedule: Schedule | str | Path,
         input_shape: tuple[int, ...] | list[tuple[int, ...]] | None = None,
         example_inputs: Any = None,
+        optimizer: Any = None,
     ) -> None:
         super().__init__()
         from monet_opt.graph import trace
@@ -114,10 +124,17 @@ class MonetWrapper(nn.Module):
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
         graph = trace(model, example_inputs)
-        self.schedule.check_fingerprint(graph.fingerprint)
+        _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
+        expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
+        self.schedule.check_fingerprint(expected)
         object.__setattr__(self, "gm", graph.gm)  # shares the model's modules; not registered twice
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
+        self.steps = None
+        if optimizer is not None:
+            factory = optimizer_factory(optimizer) if isinstance(optimizer, str) else optimizer
+            self.steps = PerParameterSteps(factory)
+            self.executor.step_in_backward(self.steps.step)
 
     def forward(self, *inputs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -135,3 +152,20 @@ class MonetWrapper(nn.Module):
             self.executor, box, _autocast_state(device_type), len(inputs), *inputs, *params
         )
         return tree_unflatten(list(flat), box.spec)
+
+
+def _check_step_in_backward(schedule: Schedule, fingerprint: str, optimizer: Any) -> None:
+    """A clear error where the schedule and the wrapper disagree on the optimizer step."""
+    solved_with = schedule.fingerprint.endswith(FINGERPRINT_SUFFIX)
+    if schedule.fingerprint.removesuffix(FINGERPRINT_SUFFIX) != fingerprint:
+        return  # another model or shape: check_fingerprint says so
+    if solved_with and optimizer is None:
+        raise FingerprintMismatch(
+            "this schedule was solved with the optimizer step in the backward (parameter gradients "
+            "freed as they are made); pass the optimizer: MonetWrapper(..., optimizer=...)"
+        )
+    if optimizer is not None and not solved_with:
+        raise FingerprintMismatch(
+            "optimizer= given, but this schedule was solved without the optimizer step in the "
+            "backward; solve with build_problem(..., optimizer=...) (CLI: --step-in-backward)"
+        )

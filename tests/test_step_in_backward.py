@@ -1,0 +1,157 @@
+"""The optimizer step inside the backward: the memory model frees each parameter's gradient
+after its last backward, the MILP and bounds follow it, and the wrapper trains exactly as plain
+PyTorch with a normal optimizer step, inside the budget."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import solver
+from monet_opt.bench import loss_of
+from monet_opt.memory import measure_peak
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from monet_opt.step_in_backward import fuse_into_backward, optimizer_factory, step_bytes_per_param_byte
+from solver import baselines
+from solver.bounds import min_feasible_lower_bound
+from solver.schedule import FingerprintMismatch
+from solver.synthetic import resnet
+from tests import models
+
+LOSS_SCALARS = 256  # bytes
+
+
+def _stepping(problem: solver.Problem, ratio: float = 2.0) -> solver.Problem:
+    """`problem` with each node's parameter gradients freed after its backward."""
+    nodes = tuple(
+        dataclasses.replace(
+            n, param_grad_freed_bytes=n.param_grad_bytes, param_step_bytes=int(ratio * n.param_grad_bytes)
+        )
+        for n in problem.nodes
+    )
+    return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
+
+
+def test_simulator_frees_parameter_gradients_after_the_step():
+    problem = resnet(20, seed=3)
+    stepping = _stepping(problem)
+    plain = baselines.no_recompute(problem)
+    grads = sum(n.param_grad_bytes for n in problem.nodes)
+    assert grads > 0
+    ran = solver.simulate(stepping, dataclasses.replace(plain, fingerprint=stepping.fingerprint))
+    kept = solver.simulate(problem, plain)
+    assert ran.peak_bytes < kept.peak_bytes
+    # the last stage: every parameter gradient made and, with the step, freed again
+    assert (
+        kept.stage_peaks[-1] - ran.stage_peaks[-1]
+        >= grads - max(n.param_grad_bytes for n in problem.nodes) * 3
+    )
+
+
+def test_solver_uses_the_freed_memory_and_its_bound_holds():
+    problem = resnet(30, seed=4)
+    stepping = _stepping(problem)
+    low_plain, _ = baselines.min_known_peak(problem)
+    bound = min_feasible_lower_bound(stepping)
+    for schedule in baselines.all_baselines(stepping, greedy_time=2.0).values():
+        assert bound <= solver.simulate(stepping, schedule).peak_bytes
+    budget = low_plain - 1
+    schedule = solver.solve(stepping, budget, time_limit=10, verbose=False)
+    assert solver.simulate(stepping, schedule).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum", "adam"])
+def test_step_bytes_are_measured(name):
+    ratio = step_bytes_per_param_byte(optimizer_factory(name))
+    assert {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0}[name] == pytest.approx(ratio, abs=0.01)
+
+
+@functools.cache
+def setup():
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=4, size=64)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1, optimizer="adam")
+    return model, x, problem
+
+
+def test_build_problem_marks_the_step():
+    model, x, problem = setup()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(n.param_grad_freed_bytes for n in problem.nodes) == params
+    assert problem.meta["step_in_backward"]["step_bytes_per_param_byte"] == pytest.approx(2.0, abs=0.01)
+    assert problem.fingerprint.endswith(":step-in-backward")
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "adam"])
+def test_parameters_after_three_steps_match_plain_training(name):
+    """A recomputing schedule with default implementations: bitwise-equal gradients, so the
+    parameters after three steps equal plain PyTorch's with `optimizer.step()` (Adam included)."""
+    model, x, problem = setup()
+    schedule = baselines.chen_sqrt(problem)
+    assert schedule.recomputed()
+    plain, fused, ours = (copy.deepcopy(model) for _ in range(3))
+    opt = optimizer_factory(name)(list(plain.parameters()))
+    fuse_into_backward(fused, optimizer_factory(name))
+    wrapped = MonetWrapper(ours, schedule, example_inputs=(x,), optimizer=name)
+    for step in range(3):
+        for net in (plain, fused, wrapped):
+            torch.manual_seed(step)
+            loss_of(net(x)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in ours.parameters())
+    for (n, pa), pf, pb in zip(plain.named_parameters(), fused.parameters(), ours.parameters()):
+        torch.testing.assert_close(pf, pa, rtol=1e-5, atol=1e-6, msg=f"fused plain: parameter {n}")
+        torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"monet-opt: parameter {n}")
+
+
+def test_budget_below_what_kept_gradients_allow_is_met():
+    """A budget under the lowest peak any schedule reaches with gradients kept to the step's end:
+    solved with the step in the backward it fits, measured."""
+    model, x, problem = setup()
+    kept = build_problem(model, (x,), progress=False, repeats=1)
+    budget = baselines.min_known_peak(kept)[0] - 2**20
+    schedule = solver.solve(problem, budget, time_limit=10, verbose=False)
+    wrapped = MonetWrapper(copy.deepcopy(model), schedule, example_inputs=(x,), optimizer="adam")
+
+    def step():
+        loss_of(wrapped(x)).backward()
+
+    step()  # the optimizer's state is made in the first step, before the measured one
+    peak = measure_peak(step).peak_bytes
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= budget
+    assert peak <= predicted + LOSS_SCALARS, (peak, predicted)
+    assert predicted - peak <= 0.05 * predicted, (peak, predicted)
+
+
+def test_schedule_and_wrapper_must_agree_on_the_step():
+    model, x, problem = setup()
+    with pytest.raises(FingerprintMismatch, match="pass the optimizer"):
+        MonetWrapper(model, baselines.chen_sqrt(problem), example_inputs=(x,))
+    kept = build_problem(model, (x,), progress=False, repeats=1)
+    with pytest.raises(FingerprintMismatch, match="solved without the optimizer step"):
+        MonetWrapper(model, baselines.chen_sqrt(kept), example_inputs=(x,), optimizer="adam")
+
+
+def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path):
+    from monet_opt import cli
+    from monet_opt.step_in_backward import OPTIMIZERS
+
+    assert sorted(cli.OPTIMIZER_NAMES) == sorted(OPTIMIZERS)
+    out = tmp_path / "s.json"
+    args = ["solve", "resnet18", "--batch", "2", "--image", "32", "--budget", "0.5", "--time-limit", "5"]
+    assert cli.main([*args, "--step-in-backward", "sgd", "-o", str(out)]) == 0
+    schedule = solver.Schedule.from_json(out)
+    assert schedule.fingerprint.endswith(":step-in-backward")
+    assert schedule.meta["step_in_backward"]["optimizer"] == "sgd"
+    from monet_opt.bench import bench_schedule
+
+    result = bench_schedule(schedule, steps=1)
+    assert result.wrapped_peak_bytes <= schedule.budget_bytes
