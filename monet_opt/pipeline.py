@@ -61,11 +61,15 @@ def solve_model(
     verbose: bool = True,
     problem: Problem | None = None,
     meta: dict | None = None,
+    optimizer: Any = None,
 ) -> tuple[Problem, Schedule]:
-    """Profile `model` on this device (cached) and solve for `budget`."""
+    """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
+    step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`)."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    problem = problem or build_problem(model, example_inputs, progress=verbose, meta=meta)
+    problem = problem or build_problem(
+        model, example_inputs, progress=verbose, meta=meta, optimizer=optimizer
+    )
     budget = parse_budget(budget)
     if budget == "min":
         schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)

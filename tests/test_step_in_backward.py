@@ -155,3 +155,13 @@ def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path):
 
     result = bench_schedule(schedule, steps=1)
     assert result.wrapped_peak_bytes <= schedule.budget_bytes
+
+
+def test_solve_model_passes_the_optimizer():
+    from monet_opt.pipeline import solve_model
+
+    torch.manual_seed(0)
+    model, x = models.narrow_resnet(batch=2, size=16, blocks=1)
+    problem, schedule = solve_model(model, x, budget=1.0, time_limit=5, verbose=False, optimizer="sgd")
+    assert schedule.fingerprint == problem.fingerprint and problem.fingerprint.endswith(":step-in-backward")
+    MonetWrapper(model, schedule, example_inputs=(x,), optimizer="sgd")
