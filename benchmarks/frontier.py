@@ -161,6 +161,38 @@ def measure_compiled(
     return peak, step_s, plain_s, compile_s
 
 
+# -- one monet-opt budget ------------------------------------------------------------------
+def unsolved_row(method: str, label: str, exc: Exception, time_limit: float) -> Row:
+    """The row of a budget the solver gave no schedule for."""
+    if isinstance(exc, solver.InfeasibleBudget):
+        return Row(method, label, status=f"infeasible (min {exc.minimum_bytes / MiB:.1f} MiB)", solve_s=0.0)
+    status = f"no schedule in {time_limit:g} s (smallest known {exc.minimum_bytes / MiB:.1f} MiB)"
+    return Row(method, label, status=status, solve_s=time_limit)
+
+
+def solved_row(method: str, label: str, sched, budget_bytes: int, note: str, measure) -> Row:
+    """The row of a solved budget: predictions, then `measure()` -> (peak, step s, plain step s)."""
+    row = Row(
+        method,
+        label,
+        pred_peak_bytes=sched.predicted_peak_bytes,
+        pred_time_s=sched.predicted_time_s,
+        status=sched.solver.status,
+        gap=sched.solver.gap,
+        solve_s=sched.solver.solve_time_s,
+        note=note,
+    )
+    try:
+        row.peak_bytes, row.step_s, row.plain_step_s = measure()
+        if row.peak_bytes > budget_bytes:
+            row.note += "; MEASURED OVER BUDGET"
+    except Exception as exc:
+        traceback.print_exc()
+        row.status += "; run failed"
+        row.note += "; " + short_error(exc)
+    return row
+
+
 # -- the optimizer step in the backward ---------------------------------------------------
 def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int, say) -> list[Row]:
     """Plain PyTorch with the optimizer step fused into the backward (post-accumulate-grad hooks),
@@ -195,30 +227,17 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
         label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
         method = f"monet-opt + {name} step in backward"
         if isinstance(sched, (solver.NoScheduleFound, solver.InfeasibleBudget)):
-            rows.append(Row(method, label, status=short_error(sched), solve_s=args.time_limit))
+            rows.append(unsolved_row(method, label, sched, args.time_limit))
             continue
         sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_{f:g}.json")
-        row = Row(
-            method,
-            label,
-            pred_peak_bytes=sched.predicted_peak_bytes,
-            pred_time_s=sched.predicted_time_s,
-            status=sched.solver.status,
-            gap=sched.solver.gap,
-            solve_s=sched.solver.solve_time_s,
-            note=f"{len(sched.recomputed())} nodes recomputed; overhead vs the fused plain step",
-        )
         say(f"monet-opt, step in the backward: budget {label}")
-        try:
+
+        def measure(sched=sched):
             wrapped = MonetWrapper(copy.deepcopy(model), sched, example_inputs=inputs, optimizer=name)
-            row.peak_bytes, row.step_s, row.plain_step_s = measure_paired(fused, wrapped, inputs, args.steps)
-            if row.peak_bytes > budget_bytes:
-                row.note += "; MEASURED OVER BUDGET"
-        except Exception as exc:
-            traceback.print_exc()
-            row.status += "; run failed"
-            row.note += "; " + short_error(exc)
-        rows.append(row)
+            return measure_paired(fused, wrapped, inputs, args.steps)
+
+        note = f"{len(sched.recomputed())} nodes recomputed; overhead vs the fused plain step"
+        rows.append(solved_row(method, label, sched, budget_bytes, note, measure))
     return rows
 
 
@@ -288,7 +307,6 @@ def run(args) -> list[Row]:
     nr = solver.no_recompute(problem)
     plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
     plain.note = f"monet-opt simulator: no-recompute prediction; {len(problem.nodes)} nodes profiled in {profile_s:.0f} s"
-    schedules = {}
     # tightest budget first, each solve starting from the tighter budget's plan (solver.sweep)
     say(f"monet-opt: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
     solved = solver.sweep(
@@ -298,42 +316,21 @@ def run(args) -> list[Row]:
         budget_bytes = int(f * plain_peak)
         label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
         say(f"monet-opt: budget {label}")
-        if isinstance(sched, solver.NoScheduleFound):
-            status = (
-                f"no schedule in {args.time_limit:g} s (smallest known {sched.minimum_bytes / MiB:.1f} MiB)"
-            )
-            rows.append(Row("monet-opt", label, status=status, solve_s=args.time_limit))
+        if isinstance(sched, (solver.NoScheduleFound, solver.InfeasibleBudget)):
+            rows.append(unsolved_row("monet-opt", label, sched, args.time_limit))
             continue
-        if isinstance(sched, solver.InfeasibleBudget):
-            status = f"infeasible (min {sched.minimum_bytes / MiB:.1f} MiB)"
-            rows.append(Row("monet-opt", label, status=status, solve_s=0.0))
-            continue
-        solve_s = sched.solver.solve_time_s
-        schedules[f] = sched
         # kept beside the results: a row that surprises can be re-run (`monet-opt bench FILE`)
         sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{f:g}.json")
-        row = Row(
-            "monet-opt",
-            label,
-            pred_peak_bytes=sched.predicted_peak_bytes,
-            pred_time_s=sched.predicted_time_s,
-            status=sched.solver.status,
-            gap=sched.solver.gap,
-            solve_s=solve_s,
-        )
         n_rec = len(sched.recomputed())
         default = {n.name: n.impls[0].name for n in problem.nodes}
         n_impl = sum(1 for k, v in sched.impl_choice().items() if v != default.get(k))
-        row.note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
-        try:
+
+        def measure(sched=sched):
             wrapped = MonetWrapper(model, sched, example_inputs=inputs)
-            row.peak_bytes, row.step_s, row.plain_step_s = measure_paired(model, wrapped, inputs, args.steps)
-            if row.peak_bytes > budget_bytes:
-                row.note += "; MEASURED OVER BUDGET"
-        except Exception as exc:
-            traceback.print_exc()
-            row.status += "; run failed"
-            row.note += "; " + short_error(exc)
+            return measure_paired(model, wrapped, inputs, args.steps)
+
+        note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
+        row = solved_row("monet-opt", label, sched, budget_bytes, note, measure)
         rows.append(row)
         log(f"  {row}")
 
