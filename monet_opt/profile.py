@@ -644,8 +644,7 @@ def _steps_in_backward(
     parameter byte. Nothing without an optimizer."""
     if optimizer is None:
         return {}, {}, 0.0
-    factory = optimizer_factory(optimizer) if isinstance(optimizer, str) else optimizer
-    ratio = step_bytes_per_param_byte(factory, device)
+    ratio = step_bytes_per_param_byte(optimizer_factory(optimizer), device)
     freed: dict[str, int] = {}
     largest: dict[str, int] = {}
     for pid, names in users.items():

@@ -33,11 +33,14 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 }
 
 
-def optimizer_factory(name: str) -> OptimizerFactory:
+def optimizer_factory(optimizer: str | OptimizerFactory) -> OptimizerFactory:
+    """The factory of a name in `OPTIMIZERS`, or `optimizer` itself if it is a factory."""
+    if not isinstance(optimizer, str):
+        return optimizer
     try:
-        return OPTIMIZERS[name]
+        return OPTIMIZERS[optimizer]
     except KeyError:
-        raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})") from None
+        raise ValueError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})") from None
 
 
 def step_bytes_per_param_byte(factory: OptimizerFactory, device: torch.device | str = "cpu") -> float:

@@ -132,8 +132,7 @@ class MonetWrapper(nn.Module):
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
         self.steps = None
         if optimizer is not None:
-            factory = optimizer_factory(optimizer) if isinstance(optimizer, str) else optimizer
-            self.steps = PerParameterSteps(factory)
+            self.steps = PerParameterSteps(optimizer_factory(optimizer))
             self.executor.step_in_backward(self.steps.step)
 
     def forward(self, *inputs: Any) -> Any:
