@@ -32,10 +32,10 @@ def _backward_bound(an: Analysis, s: int) -> int:
         kept = sum(an.a[b] for b in an.kept_bases[t][m] if b not in user)
         v = im.state_bytes + kept + im.bwd_workspace - an.grad_saving(t, m)
         best = v if best is None else min(best, v)
-    # (an optimizer step after t's backward: its temporaries beside at least the fixed bytes and
-    # the outputs the user holds)
-    step = an.problem.fixed_bytes + an.user_bytes + an.bwd_step[s]
-    return max(an.stage_const[s] + (best or 0) + an.bwd_extra_base[s], step)
+    # after t's backward: its input gradients summed into new buffers and an optimizer step's
+    # temporaries, beside the stage's gradients, the fixed bytes and the outputs the user holds
+    after = an.stage_const[s] + min(an.bwd_after[s]) if an.bwd_after[s] is not None else 0
+    return max(an.stage_const[s] + (best or 0) + an.bwd_extra_base[s], after)
 
 
 def _compute_bound(an: Analysis, i: int) -> int:

@@ -21,11 +21,23 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   no second copy              S[s,i] + R[s,i] <= 1               (i owns a storage)
   storages held by states     A[s,c,m] <= S[s,b]                 (b kept by impl m of c)
   views hold their base       S[s,v] <= S[s,base(v)]
-  recompute step i of stage s C_s + sum_b a_b S[s,b] + sum st A + sum_{j<=i} st_j R[s,j]
-                              + sum_{j<i} a_j P[s,j,k(i)] + (a_i + fwd_workspace_i) R[s,i] <= budget
+  recompute step i of stage s C_s + sum_b a_b Q[s,b,k(i)] + states(i)
+                              + sum_{j<i} a_j P[s,j,k(i)] + (a_i + fwd_workspace_i) R[s,i]
+                              - a_i W[s,i] <= budget
                               (one row per step: a multi-level plan recomputes long chains in one
                               stage, and each value is counted only while it is live)
+  Q[s,b,k]  (continuous) b, held when stage s starts, is still held from step k on: a later
+            consumer is recomputed in s, it is carried, or t_s's state keeps it (else the
+            schedule frees it after its last use, or when the stage starts)
+  states(i) t_s's state; another node's state from its recompute step on if carried (A[s+1]: a
+            state recomputed but not carried is not made), before it A[s] (held at the start)
+  W[s,i,m]  (continuous) <= R[s,i,m]: i writes its output into the storage of its input j
+            (`fwd_in_place`): j not carried, no later consumer of j recomputed in s, no state
+            keeping j (the forward has the same column, W0 <= k, with S[0,j] and F)
   backward of t_s             carried storages and states + t's state + backward transient <= budget
+  after the backward of t_s   carried storages and states + the gradients while t's input gradients
+                              are summed and an optimizer step in the backward runs (per impl of t;
+                              `Analysis.bwd_after`) <= budget
   forward memory (step i)     fixed + storages live at step i (needed later in the forward, or
                               kept: a_b S[0,b]) + a_i + private bytes of F states so far
                               + workspace of i <= budget
@@ -296,6 +308,14 @@ class Formulation:
                 ]
             self.R.append(Rs)
         self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
+        # in-place forwards: y <= x[c] for c in the first list, y <= 1 - x[c] for c in the second
+        self.in_place: list[tuple[int, list[int], list[int]]] = []
+        sources = [[_in_place_source(an, i, m, has_view) for m in range(nimp[i])] for i in range(n)]
+        keepers: dict[int, list[tuple[int, int]]] = {}  # storage -> (node, impl) whose state keeps it
+        for c in range(n):
+            for m in range(nimp[c]):
+                for b in an.kept_bases[c][m]:
+                    keepers.setdefault(b, []).append((c, m))
 
         # F <= k
         for i, cols in self.A[0].items():
@@ -354,17 +374,47 @@ class Formulation:
             # step i's output and workspace
             md.tag = ("mem_rec", s, t)
             if Rs or s == 0:
+                S2n = self.S[s + 1] if s + 1 < T else {}
                 base_cols, base_coefs = [], []
+                # held[j] / live[j]: (first step the column applies to, column), in step order, for
+                # a value held when the stage starts / recomputed in it
+                held: dict[int, list[tuple[int, int]]] = {}
+                live: dict[int, list[tuple[int, int]]] = {}
                 for i in range(t + 1):
                     if not an.is_view[i] and i not in user_bases and an.a[i]:
-                        base_cols.append(Ss[i])
-                        base_coefs.append(an.a[i])
-                _add_state_terms(an, As, base_cols, base_coefs)
+                        if Rs and not has_view[i] and S2n.get(i) != Ss[i]:
+                            held[i] = self._held_live(s, t, i, Rs, As, S2n)
+                        else:
+                            base_cols.append(Ss[i])
+                            base_coefs.append(an.a[i])
                 if not Rs:
+                    _add_state_terms(an, As, base_cols, base_coefs)
                     self._mem_row(base_cols, base_coefs, an.stage_const[s])
-                S2n = self.S[s + 1] if s + 1 < T else {}
-                # live[j]: (first step the column applies to, column), in step order
-                live: dict[int, list[tuple[int, int]]] = {}
+                # states: t's, held from the start (and recomputed: at step t); any other is freed
+                # when the stage starts unless it is carried (A of the next stage); one recomputed
+                # here is made at its step only if carried. So a state counts as A[s] before its
+                # node's recompute step (or at every step, A[s+1], if it has none), as A[s+1] after
+                A2n = self.A[s + 1] if s + 1 < T else {}
+                states_before: list[tuple[int, int, float]] = []  # (node, col, bytes) to step node-1
+                states_from: list[tuple[int, int, float]] = []  # (node, col, bytes) from step node
+                for i, ac in As.items():
+                    for m, c in enumerate(ac):
+                        st = float(an.impls[i][m].state_bytes)
+                        if not st:
+                            continue
+                        if i == t:
+                            base_cols.append(c)
+                            base_coefs.append(st)
+                            if i in Rs:
+                                states_from.append((i, Rs[i][m], st))
+                        elif i not in Rs:
+                            if i in A2n:
+                                base_cols.append(A2n[i][m])
+                                base_coefs.append(st)
+                        else:
+                            states_before.append((i, c, st))
+                            if i in A2n:
+                                states_from.append((i, A2n[i][m], st))
                 for j, rj in Rs.items():
                     if an.is_view[j] or j in user_bases or not an.a[j]:
                         continue
@@ -385,21 +435,31 @@ class Formulation:
                         self.aux.append((pv, [(gc, const) for gc, const in groups]))
                         cols_j.append((start, pv))
                     live[j] = cols_j
-                rec_states: list[tuple[int, int, float]] = []  # (node, col, state bytes)
-                for i, rc in Rs.items():
-                    if an.rb[i]:
-                        for m, c in enumerate(rc):
-                            st = an.impls[i][m].state_bytes
-                            if st:
-                                rec_states.append((i, c, float(st)))
                 for i, rc in Rs.items():
                     cols, coefs = list(base_cols), list(base_coefs)
-                    for j2, c, st in rec_states:
+                    # written into its input's storage (the simulator's rule): no new bytes
+                    for m, c in enumerate(rc):
+                        j = sources[i][m]
+                        if j is None:
+                            continue
+                        blockers = [S2n[j]] if j in S2n else []
+                        blockers += [x for cc in an.consumers[j] if cc > i and cc in Rs for x in Rs[cc]]
+                        for cc, mm in keepers.get(j, []):
+                            blockers += [x[mm] for x in (As.get(cc), Rs.get(cc)) if x is not None]
+                        cols.append(self._in_place_col([c], blockers))
+                        coefs.append(-float(an.a[i]))
+                    for j2, c, st in states_from:
                         if j2 <= i:
                             cols.append(c)
                             coefs.append(st)
-                    for j, cols_j in live.items():
-                        if j >= i:
+                    for j2, c, st in states_before:
+                        if j2 > i:
+                            cols.append(c)
+                            coefs.append(st)
+                    for j, cols_j, is_held in [(j, c, False) for j, c in live.items()] + [
+                        (j, c, True) for j, c in held.items()
+                    ]:
+                        if j >= i and not is_held:  # not recomputed yet
                             continue
                         col = None
                         for start, pv in cols_j:
@@ -446,23 +506,19 @@ class Formulation:
                     coefs.append(an.a[b])
             _add_state_terms(an, A2, cols, coefs)
             self._mem_row(cols, coefs, an.stage_const[s] + an.bwd_extra_base[s])
-            if an.bwd_accumulate[s] or an.bwd_step[s]:
-                # then, t's state dropped and its workspace freed, gradients added into a shared
-                # one are summed into new buffers, and an optimizer step in the backward makes its
-                # temporaries: what is carried, the new input gradients (all: conservative)
-                acc_cols, acc_coefs = [], []
-                for m, c in tcols:
-                    if an.grad_saving(t, m):
-                        acc_cols.append(c)
-                        acc_coefs.append(-float(an.grad_saving(t, m)))
+            if an.bwd_after[s] is not None:
+                # then, t's state dropped and its workspace freed: what is carried, plus the
+                # gradients while t's input gradients are summed into new buffers and while an
+                # optimizer step in the backward makes its temporaries (per implementation of t)
+                acc_cols = [c for _m, c in tcols]
+                acc_coefs = [float(an.bwd_after[s][m]) for m, _c in tcols]
                 for b, c in S2.items():
                     if not an.is_view[b] and b not in user_bases and an.a[b]:
                         acc_cols.append(c)
                         acc_coefs.append(an.a[b])
                 _add_state_terms(an, A2, acc_cols, acc_coefs)
                 md.tag = ("mem_bwd_accumulate", s, t)
-                after = max(an.bwd_accumulate[s], an.bwd_step[s])
-                self._mem_row(acc_cols, acc_coefs, an.stage_const[s] + an.bwd_extra_base[s] + after)
+                self._mem_row(acc_cols, acc_coefs, an.stage_const[s])
 
         # forward memory per step
         md.tag = ("mem_fwd",)
@@ -490,6 +546,12 @@ class Formulation:
                         st_coefs.append(st)
             ws_cols = [self.k[i][m] for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
             ws_coefs = [an.impls[i][m].fwd_workspace for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
+            for m in range(nimp[i]):  # written into its input's storage, freed right after
+                j = sources[i][m]
+                if j is not None and an.lastfs[j] == i and j in S0:
+                    blockers = [S0[j]] + [F[cc][mm] for cc, mm in keepers.get(j, []) if cc in F]
+                    ws_cols.append(self._in_place_col([self.k[i][m]], blockers))
+                    ws_coefs.append(-an.a[i])
             # live_const tracks -(bytes of storages already released); add all earlier storages
             self._mem_row(
                 kept_cols + st_cols + ws_cols, kept_coefs + st_coefs + ws_coefs, fixed + live_const + an.a[i]
@@ -512,6 +574,42 @@ class Formulation:
             r = self.md.row(list(cols) + [self.peak_col], list(coefs) + [-1.0], -INF, -const)
         if r >= 0:
             self.mem_rows.append(r)
+
+    def _held_live(self, s: int, t: int, b: int, Rs: dict, As: dict, S2n: dict) -> list[tuple[int, int]]:
+        """Columns saying that storage b, held when stage s starts (S), is still held at a step:
+        (first step, column) in step order, as for recomputed values. The schedule frees a held
+        value after its last use in the stage unless it is carried (S of the next stage) or t's
+        state keeps it; a value no step needs is freed when the stage starts (no column)."""
+        an, md = self.an, self.md
+        Sb = self.S[s][b]
+        later = sorted(c for c in an.consumers[b] if c in Rs)
+        fixed_groups = [[Sb, S2n[b]]] if b in S2n else []
+        for m, c in enumerate(As.get(t, [])):
+            if b in an.kept_bases[t][m]:
+                fixed_groups.append([Sb, c])
+        out: list[tuple[int, int]] = []
+        for k, start in enumerate([-1] + [c + 1 for c in later]):
+            groups = [[Sb] + Rs[c] for c in later[k:]] + fixed_groups
+            if not groups:
+                break
+            y = md.var(integer=False)
+            for gc in groups:
+                md.row([y] + gc, [1.0] + [-1.0] * len(gc), -1.0, INF)
+            self.aux.append((y, [(gc, -1.0) for gc in groups]))
+            out.append((start, y))
+        return out
+
+    def _in_place_col(self, needs: list[int], blockers: list[int]) -> int:
+        """A continuous column y <= each of `needs` and <= 1 - each of `blockers`: 1 when a forward
+        may write its output into its input's storage (memory rows subtract the output's bytes)."""
+        md = self.md
+        y = md.var(integer=False)
+        for c in needs:
+            md.row([y, c], [1.0, -1.0], -INF, 0.0)
+        for c in set(blockers):
+            md.row([y, c], [1.0, 1.0], -INF, 1.0)
+        self.in_place.append((y, list(needs), list(set(blockers))))
+        return y
 
     # ------------------------------------------------------------------------------------------
     def plan_to_vector(self, plan: Plan) -> np.ndarray:
@@ -540,6 +638,8 @@ class Formulation:
         x = np.maximum(x, lb)
         for y, groups in self.aux:
             x[y] = max([0.0] + [sum(x[k] for k in cols) + const for cols, const in groups])
+        for y, needs, blockers in self.in_place:
+            x[y] = min([1.0] + [x[c] for c in needs] + [1.0 - x[c] for c in blockers])
         x = np.maximum(x, lb)
         if self.peak_col is not None:  # the smallest peak column the memory rows allow
             x[self.peak_col] = 0.0
@@ -820,6 +920,21 @@ class _Scaling:
 
     def from_model(self, x: np.ndarray) -> np.ndarray:
         return x * self.col
+
+
+def _in_place_source(an, i: int, m: int, has_view: list[bool]) -> int | None:
+    """The input storage implementation m of i may write its output into (`fwd_in_place`), if
+    the problem allows it whatever the schedule: an owned storage of the output's size, no view
+    of it, not held by the user, and no other input of i in it. Else None."""
+    im = an.impls[i][m]
+    if im.fwd_in_place is None or an.is_view[i] or not an.a[i]:
+        return None
+    j = an.inputs[i][im.fwd_in_place]
+    if an.is_view[j] or has_view[j] or an.a[j] != an.a[i] or j in an.user_bases:
+        return None
+    if any(an.base[x] == j for pos, x in enumerate(an.inputs[i]) if pos != im.fwd_in_place):
+        return None
+    return j
 
 
 def _add_state_terms(an, states: dict, cols: list, coefs: list) -> None:

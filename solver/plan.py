@@ -91,66 +91,78 @@ class Analysis:
         buffer here only if every implementation of the node hands it over (`grad_in_place` or
         `grad_shared`), so where implementations differ these constants are upper bounds."""
         nodes = self.problem.nodes
-        slot: dict[int, int] = {}  # node -> buffer id of its gradient
-        bufs: dict[int, list] = {}  # buffer id -> [bytes, holders]
-        made = [0]
-
-        def new(nbytes: int) -> int:
-            made[0] += 1
-            bufs[made[0]] = [nbytes, set()]
-            return made[0]
-
-        def release(b: int, token) -> None:
-            bufs[b][1].discard(token)
-            if not bufs[b][1]:
-                del bufs[b]
-
+        grads = _GradBuffers()
         for i in self.outputs:
             if self.rb[i]:
-                slot[i] = new(nodes[i].grad_bytes)
-                bufs[slot[i]][1].update({("engine", i), ("slot", i)})
+                grads.slot[i] = grads.new(nodes[i].grad_bytes)
+                grads.holders[grads.slot[i]].update({("engine", i), ("slot", i)})
         pgrad = 0
         self.stage_const: list[int] = []  # fixed + user-held outputs + live grads + param grads
         self.bwd_extra_base: list[int] = []  # new input grads + param grads of t (transient)
-        self.bwd_accumulate: list[int] = []  # sums into new buffers after t's backward (transient)
-        self.bwd_step: list[int] = []  # an optimizer step after t's backward (transient)
         self.fed_shared: list[bool] = [False] * self.n  # t's gradient buffer is shared at its backward
+        # per stage and implementation of t: the most gradient bytes (buffers and t's parameter
+        # gradients) live above stage_const once t's state is dropped: while its input gradients
+        # are summed into new buffers, and at an optimizer step in the backward (None: neither)
+        self.bwd_after: list[list[int] | None] = []
         for t in self.bw:
-            if t not in slot:
+            if t not in grads.slot:
                 raise ProblemError(
                     f"node {self.names[t]!r} needs a backward but no gradient reaches it "
                     "(no consumer with a backward and not an output)"
                 )
-            live = sum(nbytes for nbytes, _ in bufs.values())
-            self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + live + pgrad)
-            gin = [(pos, j) for pos, j in enumerate(self.inputs[t]) if self.rb[j]]
-            self.bwd_extra_base.append(sum(nodes[j].grad_bytes for _, j in gin) + nodes[t].param_grad_bytes)
-            # an optimizer step in the backward: its temporaries once t's state is dropped, then
-            # its parameters' gradients freed from the next stage on
-            self.bwd_step.append(nodes[t].param_step_bytes)
+            self.stage_const.append(self.problem.fixed_bytes + self.user_bytes + grads.live + pgrad)
+            gin = [j for j in self.inputs[t] if self.rb[j]]
+            self.bwd_extra_base.append(sum(nodes[j].grad_bytes for j in gin) + nodes[t].param_grad_bytes)
+            # (an optimizer step in the backward frees its parameters' gradients from the next
+            # stage on)
             pgrad += nodes[t].param_grad_bytes - nodes[t].param_grad_freed_bytes
-            own = slot.pop(t)
-            self.fed_shared[t] = len(bufs[own][1]) > 1
-            fed = new(nodes[t].grad_bytes) if self.fed_shared[t] else own
-            bufs[fed][1].add(("fed", t))
-            release(own, ("slot", t))
+            after = []
+            for im in self.impls[t]:
+                trial = grads.copy()
+                peak = self._backward_buffers(trial, t, self._receivers(t, im), im.grad_in_place is not None)
+                step = nodes[t].param_step_bytes
+                if step:
+                    peak = max(peak if peak is not None else -(2**62), trial.live + step)
+                after.append(None if peak is None else peak - grads.live + nodes[t].param_grad_bytes)
+            self.bwd_after.append(
+                None
+                if all(a is None for a in after)
+                else [nodes[t].param_grad_bytes if a is None else a for a in after]
+            )
+            self.fed_shared[t] = len(grads.holders[grads.slot[t]]) > 1
             receive = set.intersection(*(self._receivers(t, im) for im in self.impls[t]))
-            acc = 0
-            for pos, j in gin:
-                b = fed if pos in receive else new(nodes[j].grad_bytes)
-                bufs[b][1].add(("new", j))
-                prev = slot.get(j)
-                if prev is None:
-                    slot[j] = b
-                    bufs[b][1].add(("slot", j))
-                elif prev == b or bufs[prev][1] != {("slot", j)}:
-                    acc += nodes[j].grad_bytes
-                    slot[j] = new(nodes[j].grad_bytes)
-                    bufs[slot[j]][1].add(("slot", j))
-                    release(prev, ("slot", j))
-                release(b, ("new", j))
-            release(fed, ("fed", t))
-            self.bwd_accumulate.append(acc)
+            self._backward_buffers(grads, t, receive, True)
+
+    def _backward_buffers(self, grads: _GradBuffers, t: int, receive: set[int], copies: bool) -> int | None:
+        """t's backward on the gradient buffers, as `solver.simulate` does it: its gradient fed
+        (copied first if shared and `copies`), a new buffer per input that needs a gradient but the
+        positions in `receive` (they get the fed one), each accumulated in turn. Returns the
+        most bytes live while a sum is made into a new buffer (None: none is)."""
+        nodes = self.problem.nodes
+        own = grads.slot.pop(t)
+        fed = grads.new(nodes[t].grad_bytes) if copies and len(grads.holders[own]) > 1 else own
+        grads.holders[fed].add(("fed", t))
+        grads.release(own, ("slot", t))
+        made = [
+            (j, fed if pos in receive else grads.new(nodes[j].grad_bytes))
+            for pos, j in enumerate(self.inputs[t])
+            if self.rb[j]
+        ]
+        peak = None
+        for j, b in made:
+            grads.holders[b].add(("new", j))
+            prev = grads.slot.get(j)
+            if prev is None:
+                grads.slot[j] = b
+                grads.holders[b].add(("slot", j))
+            elif prev == b or grads.holders[prev] != {("slot", j)}:
+                grads.slot[j] = grads.new(nodes[j].grad_bytes)
+                peak = grads.live if peak is None else max(peak, grads.live)
+                grads.holders[grads.slot[j]].add(("slot", j))
+                grads.release(prev, ("slot", j))
+            grads.release(b, ("new", j))
+        grads.release(fed, ("fed", t))
+        return peak
 
     def _receivers(self, t: int, im) -> set[int]:
         """Input positions whose new gradient is the buffer t's backward is fed (same size)."""
@@ -213,6 +225,37 @@ class Analysis:
 
     def default_impls(self) -> list[int]:
         return [0] * self.n
+
+
+class _GradBuffers:
+    """Gradient buffers during a backward: node -> buffer id (`slot`), buffer id -> bytes and
+    holders; `live` is the bytes of the buffers something holds."""
+
+    def __init__(self) -> None:
+        self.slot: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.holders: dict[int, set] = {}
+        self.live = 0
+        self.made = 0
+
+    def new(self, nbytes: int) -> int:
+        self.made += 1
+        self.size[self.made], self.holders[self.made] = nbytes, set()
+        self.live += nbytes
+        return self.made
+
+    def release(self, b: int, token) -> None:
+        self.holders[b].discard(token)
+        if not self.holders[b]:
+            self.live -= self.size.pop(b)
+            del self.holders[b]
+
+    def copy(self) -> _GradBuffers:
+        other = _GradBuffers()
+        other.slot, other.size = dict(self.slot), dict(self.size)
+        other.holders = {b: set(h) for b, h in self.holders.items()}
+        other.live, other.made = self.live, self.made
+        return other
 
 
 @dataclass

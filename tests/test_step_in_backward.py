@@ -146,7 +146,9 @@ def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path):
 
     assert sorted(cli.OPTIMIZER_NAMES) == sorted(OPTIMIZERS)
     out = tmp_path / "s.json"
-    args = ["solve", "resnet18", "--batch", "2", "--image", "32", "--budget", "0.5", "--time-limit", "5"]
+    # budget 1.0: at this size the step-in-backward minimum depends on the CPU (oneDNN reorders
+    # layer4's 9.4 MB weights in its forward on some CPUs: the minimum is then 0.95 of plain)
+    args = ["solve", "resnet18", "--batch", "2", "--image", "32", "--budget", "1.0", "--time-limit", "5"]
     assert cli.main([*args, "--step-in-backward", "sgd", "-o", str(out)]) == 0
     schedule = solver.Schedule.from_json(out)
     assert schedule.fingerprint.endswith(":step-in-backward")
