@@ -23,6 +23,7 @@ METHOD_STYLE: dict[str, tuple[str, str]] = {
     "plain PyTorch": ("o", "black"),
     "checkpoint_sequential": ("s", "tab:orange"),
     "torch.compile": ("^", "tab:green"),
+    "monet-opt + ": ("d", "tab:purple"),  # (the optimizer step in the backward: before "monet-opt")
     "monet-opt": ("D", "tab:blue"),
 }
 _EXTRA_MARKERS = ["v", "P", "X", "*", "<", ">", "h"]

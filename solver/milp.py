@@ -27,8 +27,8 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
                               (one row per step: a multi-level plan recomputes long chains in one
                               stage, and each value is counted only while it is live)
   Q[s,b,k]  (continuous) b, held when stage s starts, is still held from step k on: a later
-            consumer is recomputed in s, it is carried, or t_s's state keeps it (else the
-            schedule frees it after its last use, or when the stage starts)
+            consumer (of b or of a view of it) is recomputed in s, it is carried, or t_s's state
+            keeps it (else the schedule frees it after its last use, or when the stage starts)
   states(i) t_s's state; another node's state from its recompute step on if carried (A[s+1]: a
             state recomputed but not carried is not made), before it A[s] (held at the start)
   W[s,i,m]  (continuous) <= R[s,i,m]: i writes its output into the storage of its input j
@@ -254,9 +254,12 @@ class Formulation:
         user = an.user_held
         user_bases = set(an.user_bases)
         has_view = [False] * n
+        # readers[b]: the nodes that read storage b, through its own handle or a view's
+        self.readers: list[set[int]] = [set(an.consumers[b]) for b in range(n)]
         for v in range(n):
             if an.is_view[v]:
                 has_view[an.base[v]] = True
+                self.readers[an.base[v]].update(an.consumers[v])
 
         # budget=None: the budget is a column, and the objective is the peak (MiB) alone
         self.peak_col = None if self.budget is not None else md.var(integer=False, lb=0.0, ub=INF)
@@ -382,7 +385,7 @@ class Formulation:
                 live: dict[int, list[tuple[int, int]]] = {}
                 for i in range(t + 1):
                     if not an.is_view[i] and i not in user_bases and an.a[i]:
-                        if Rs and not has_view[i] and S2n.get(i) != Ss[i]:
+                        if Rs and S2n.get(i) != Ss[i]:
                             held[i] = self._held_live(s, t, i, Rs, As, S2n)
                         else:
                             base_cols.append(Ss[i])
@@ -418,15 +421,15 @@ class Formulation:
                 for j, rj in Rs.items():
                     if an.is_view[j] or j in user_bases or not an.a[j]:
                         continue
-                    later = sorted(c for c in an.consumers[j] if c in Rs)
+                    # (a view's handle holds j's storage: its readers count; a carried view
+                    # carries j, S[s+1,v] <= S[s+1,j])
+                    later = sorted(c for c in self.readers[j] if c in Rs)
                     carried = [S2n[j]] if j in S2n else []
                     steps = [j + 1] + [c + 1 for c in later]  # from step steps[k], consumers later[k:]
                     cols_j: list[tuple[int, int]] = []
                     for k, start in enumerate(steps):
                         groups = [(rj + Rs[c], -1.0) for c in later[k:]]
                         groups += [([sc] + rj, -1.0) for sc in carried]
-                        if has_view[j]:
-                            groups.append((rj, 0.0))
                         if not groups:
                             break
                         pv = md.var(integer=False)
@@ -582,7 +585,7 @@ class Formulation:
         state keeps it; a value no step needs is freed when the stage starts (no column)."""
         an, md = self.an, self.md
         Sb = self.S[s][b]
-        later = sorted(c for c in an.consumers[b] if c in Rs)
+        later = sorted(c for c in self.readers[b] if c in Rs)
         fixed_groups = [[Sb, S2n[b]]] if b in S2n else []
         for m, c in enumerate(As.get(t, [])):
             if b in an.kept_bases[t][m]:
