@@ -1326,8 +1326,9 @@ def _ladder(
     """Widen the recompute window while time remains; each MILP starts from the best plan so far.
     budget_bytes=None minimises the peak (best = smallest simulated peak, then time).
     alternates: further fitting plans, fastest first, to start from when the window's rows reject
-    warm_plan (the MILP counts an in-place forward as a new storage and an addition's shared
-    gradient buffer conservatively, so a plan that fits by the simulator may break a row)."""
+    warm_plan (the rows count what the simulator counts for policy plans, tested on the synthetic
+    zoo, but stay upper bounds where implementations of a node hand gradient buffers over
+    differently: `Analysis` then follows what every implementation hands over)."""
     from solver.plan import PlanError, to_schedule
     from solver.schedule import SolverInfo
     from solver.simulate import ScheduleInvalid, simulate
