@@ -34,6 +34,7 @@ from torch import nn
 
 import solver
 from monet_opt.bench import interleaved_times, measure_step, training_step, zero_grad
+from monet_opt.pipeline import sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from monet_opt.step_in_backward import OPTIMIZERS, fuse_into_backward, optimizer_factory
@@ -216,10 +217,12 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
         )
     ]
     say("monet-opt, step in the backward: profiling")
-    problem = build_problem(model, inputs, progress=args.verbose, calibrate=args.calibrate, optimizer=name)
+    problem = build_problem(
+        model, inputs, progress=args.verbose, calibrate=args.calibrate, optimizer=name, meta=spec_meta(args)
+    )
     problem.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_problem.json")
     say(f"monet-opt, step in the backward: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
-    solved = solver.sweep(
+    solved = sweep_model(
         problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
     )
     for f, sched in zip(args.budgets, solved):
@@ -253,6 +256,11 @@ def fmt_ms(s) -> str:
 def short_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
     return text[:160] + ("…" if len(text) > 160 else "")
+
+
+def spec_meta(args) -> dict:
+    """The model's metadata for the problems and schedules written (`monet-opt bench FILE` reads it)."""
+    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).meta()
 
 
 def run(args) -> list[Row]:
@@ -299,7 +307,12 @@ def run(args) -> list[Row]:
     say("monet-opt: profiling")
     t0 = time.perf_counter()
     problem = build_problem(
-        model, inputs, progress=args.verbose, use_cache=not args.fresh_profile, calibrate=args.calibrate
+        model,
+        inputs,
+        progress=args.verbose,
+        use_cache=not args.fresh_profile,
+        calibrate=args.calibrate,
+        meta=spec_meta(args),
     )
     profile_s = time.perf_counter() - t0
     # the problem the schedules are solved on, beside them
@@ -309,7 +322,7 @@ def run(args) -> list[Row]:
     plain.note = f"monet-opt simulator: no-recompute prediction; {len(problem.nodes)} nodes profiled in {profile_s:.0f} s"
     # tightest budget first, each solve starting from the tighter budget's plan (solver.sweep)
     say(f"monet-opt: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
-    solved = solver.sweep(
+    solved = sweep_model(
         problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
     )
     for f, sched in zip(args.budgets, solved):

@@ -78,13 +78,7 @@ def _problem(args, quiet: bool = False):
         progress=not quiet,
         calibrate=getattr(args, "calibrate", False),
         optimizer=getattr(args, "step_in_backward", None),
-        meta={
-            "model": spec.name,
-            "batch": spec.batch,
-            "image": spec.image,
-            "seq": spec.seq,
-            "model_summary": spec.describe(),
-        },
+        meta=spec.meta(),
     )
     if not quiet:
         print(

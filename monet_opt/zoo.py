@@ -41,6 +41,17 @@ class ModelSpec:
             return (torch.randint(0, 512, (self.batch, self.seq), device=device),)
         return (torch.randn(self.batch, 3, self.image, self.image, device=device),)
 
+    def meta(self) -> dict:
+        """What a problem's and its schedules' metadata record of the model, so that
+        `monet-opt bench FILE` can rebuild it."""
+        return {
+            "model": self.name,
+            "batch": self.batch,
+            "image": self.image,
+            "seq": self.seq,
+            "model_summary": self.describe(),
+        }
+
     def describe(self) -> str:
         size = f"seq {self.seq}" if self.name in TOKEN_MODELS else f"image {self.image}x{self.image}"
         return f"{self.name}, batch {self.batch}, {size}"
