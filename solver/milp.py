@@ -460,11 +460,8 @@ class Formulation:
                         if j2 > i:
                             cols.append(c)
                             coefs.append(st)
-                    for j, cols_j, is_held in [(j, c, False) for j, c in live.items()] + [
-                        (j, c, True) for j, c in held.items()
-                    ]:
-                        if j >= i and not is_held:  # not recomputed yet
-                            continue
+                    # values recomputed before step i, and values held from the start
+                    for j, cols_j in [(j, c) for j, c in live.items() if j < i] + list(held.items()):
                         col = None
                         for start, pv in cols_j:
                             if start <= i:
@@ -473,7 +470,7 @@ class Formulation:
                             cols.append(col)
                             coefs.append(float(an.a[j]))
                     # a view input's storage is already counted: its base is held at the start
-                    # (S, via the view row) or recomputed here (P: a base with a view stays live)
+                    # or recomputed here, and counts until the last reader of it or of its views
                     for m, c in enumerate(rc):
                         cols.append(c)
                         coefs.append(float(an.a[i] + an.impls[i][m].fwd_workspace))
@@ -607,12 +604,13 @@ class Formulation:
         """A continuous column y <= each of `needs` and <= 1 - each of `blockers`: 1 when a forward
         may write its output into its input's storage (memory rows subtract the output's bytes)."""
         md = self.md
+        blockers = sorted(set(blockers))
         y = md.var(integer=False)
         for c in needs:
             md.row([y, c], [1.0, -1.0], -INF, 0.0)
-        for c in set(blockers):
+        for c in blockers:
             md.row([y, c], [1.0, 1.0], -INF, 1.0)
-        self.in_place.append((y, list(needs), list(set(blockers))))
+        self.in_place.append((y, list(needs), blockers))
         return y
 
     # ------------------------------------------------------------------------------------------

@@ -121,8 +121,8 @@ class Analysis:
                 trial = grads.copy()
                 peak = self._backward_buffers(trial, t, self._receivers(t, im), im.grad_in_place is not None)
                 step = nodes[t].param_step_bytes
-                if step:
-                    peak = max(peak if peak is not None else -(2**62), trial.live + step)
+                if step:  # the optimizer's temporaries, once every input gradient is accumulated
+                    peak = trial.live + step if peak is None else max(peak, trial.live + step)
                 after.append(None if peak is None else peak - grads.live + nodes[t].param_grad_bytes)
             self.bwd_after.append(
                 None

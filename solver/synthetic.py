@@ -17,6 +17,7 @@ Everything is deterministic in `seed`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -471,6 +472,18 @@ def random_dag(n: int = 8, seed: int = 0, views: bool = True, multi_output: bool
     # a node that needs no grad but whose consumer needs it: fine; a node that needs
     # a backward must reach the loss (true: every node does)
     return b.problem(fixed_bytes=rng.randint(0, 5) * 1000)
+
+
+def with_step_in_backward(problem: Problem, ratio: float = 2.0) -> Problem:
+    """`problem` with each node's parameter gradients freed after its backward, after an optimizer
+    step whose temporaries are `ratio` times their size (the optimizer step in the backward)."""
+    nodes = tuple(
+        dataclasses.replace(
+            n, param_grad_freed_bytes=n.param_grad_bytes, param_step_bytes=int(ratio * n.param_grad_bytes)
+        )
+        for n in problem.nodes
+    )
+    return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
 
 
 def problem_zoo() -> dict[str, Problem]:

@@ -11,7 +11,7 @@ import pytest
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
 from solver import baselines as B
 from solver.milp import Formulation, window_ladder
-from solver.synthetic import problem_zoo
+from solver.synthetic import problem_zoo, with_step_in_backward
 
 PROBLEMS = problem_zoo()
 FRACTIONS = (0.9, 0.7, 0.5)
@@ -100,20 +100,6 @@ def test_milp_rows_bound_the_simulator(name, window):
         assert tight.violations(tight.plan_to_vector(plan)), "MILP accepts a plan over budget"
 
 
-def _with_step_in_backward(problem):
-    """`problem` with each node's parameter gradients freed after its backward, after an optimizer
-    step whose temporaries are twice their size."""
-    import dataclasses
-
-    nodes = tuple(
-        dataclasses.replace(
-            n, param_grad_freed_bytes=n.param_grad_bytes, param_step_bytes=2 * n.param_grad_bytes
-        )
-        for n in problem.nodes
-    )
-    return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
-
-
 @pytest.mark.parametrize(("step", "window"), [(False, None), (True, 3)])
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
 def test_milp_rows_are_exact_for_policy_plans(name, step, window):
@@ -122,7 +108,7 @@ def test_milp_rows_are_exact_for_policy_plans(name, step, window):
     held values and views freed after their last use, states made only when carried, gradients
     summed and the optimizer step after a backward), so warm starts are not rejected at tight
     budgets."""
-    p = _with_step_in_backward(PROBLEMS[name]) if step else PROBLEMS[name]
+    p = with_step_in_backward(PROBLEMS[name]) if step else PROBLEMS[name]
     an = B.analysis(p)
     for s in _policy_schedules(p, 10, 10, seed=11):
         plan = B.plan_of(p, s)

@@ -20,26 +20,15 @@ from monet_opt.step_in_backward import fuse_into_backward, optimizer_factory, st
 from solver import baselines
 from solver.bounds import min_feasible_lower_bound
 from solver.schedule import FingerprintMismatch
-from solver.synthetic import resnet
+from solver.synthetic import resnet, with_step_in_backward
 from tests import models
 
 LOSS_SCALARS = 256  # bytes
 
 
-def _stepping(problem: solver.Problem, ratio: float = 2.0) -> solver.Problem:
-    """`problem` with each node's parameter gradients freed after its backward."""
-    nodes = tuple(
-        dataclasses.replace(
-            n, param_grad_freed_bytes=n.param_grad_bytes, param_step_bytes=int(ratio * n.param_grad_bytes)
-        )
-        for n in problem.nodes
-    )
-    return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
-
-
 def test_simulator_frees_parameter_gradients_after_the_step():
     problem = resnet(20, seed=3)
-    stepping = _stepping(problem)
+    stepping = with_step_in_backward(problem)
     plain = baselines.no_recompute(problem)
     grads = sum(n.param_grad_bytes for n in problem.nodes)
     assert grads > 0
@@ -55,7 +44,7 @@ def test_simulator_frees_parameter_gradients_after_the_step():
 
 def test_solver_uses_the_freed_memory_and_its_bound_holds():
     problem = resnet(30, seed=4)
-    stepping = _stepping(problem)
+    stepping = with_step_in_backward(problem)
     low_plain, _ = baselines.min_known_peak(problem)
     bound = min_feasible_lower_bound(stepping)
     for schedule in baselines.all_baselines(stepping, greedy_time=2.0).values():
