@@ -6,8 +6,10 @@ default implementation, run through `MonetWrapper`, against plain PyTorch in the
 
 Such a schedule does exactly plain PyTorch's arithmetic, so any step-time difference is the
 executor's own cost (per-node autograd graphs, Python bookkeeping, allocation pattern).
-Step times: `monet_opt.bench.interleaved_times` (rounds alternate the two models; each timed
-step follows an untimed step of the same model). Peaks: `monet_opt.bench.measure_step_peak`.
+Step times: `monet_opt.bench.interleaved_samples` (rounds alternate the two models; each timed
+step follows an untimed step of the same model). The overhead is the median of the rounds'
+wrapped/plain ratios, with its quartiles (`paired_ratio`); the table also gives each model's
+median step. Peaks: `monet_opt.bench.measure_step_peak`.
 Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
 """
 
@@ -18,12 +20,13 @@ import datetime
 import os
 import platform
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from monet_opt.bench import interleaved_times, measure_step_peak
+from monet_opt.bench import interleaved_samples, measure_step_peak, paired_ratio
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from monet_opt.zoo import ModelSpec
@@ -40,15 +43,22 @@ def measure(spec: ModelSpec, steps: int) -> dict:
     wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=inputs)
     plain_peak = measure_step_peak(model, inputs)
     peak = measure_step_peak(wrapped, inputs)
-    plain_s, step_s = interleaved_times(model, wrapped, inputs, steps)
+    plain_t, step_t = interleaved_samples(model, wrapped, inputs, steps)
+    ratio, q1, q3 = paired_ratio(plain_t, step_t)
     return {
         "model": spec.describe(),
         "nodes": len(problem.nodes),
         "plain_peak": plain_peak,
         "peak": peak,
-        "plain_s": plain_s,
-        "step_s": step_s,
+        "plain_s": statistics.median(plain_t),
+        "step_s": statistics.median(step_t),
+        "ratio": (ratio, q1, q3),
     }
+
+
+def _overhead(ratio: tuple[float, float, float]) -> str:
+    med, q1, q3 = ratio
+    return f"{med - 1:+.1%} ({q1 - 1:+.1%} .. {q3 - 1:+.1%})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(r)
         print(
             f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
-            f"({r['step_s'] / r['plain_s'] - 1:+.1%}); peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
+            f"(paired {_overhead(r['ratio'])}); peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
             flush=True,
         )
 
@@ -80,13 +90,13 @@ def main(argv: list[str] | None = None) -> None:
         f"({datetime.datetime.now().isoformat(timespec='minutes')}, torch {torch.__version__}, "
         f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end)",
         "",
-        "| model | nodes | plain ms | wrapped ms | overhead | plain MiB | wrapped MiB |",
+        "| model | nodes | plain ms | wrapped ms | overhead (paired median, quartiles) | plain MiB | wrapped MiB |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
-            f"{r['step_s'] / r['plain_s'] - 1:+.1%} | {r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
+            f"{_overhead(r['ratio'])} | {r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,23 +122,43 @@ def timed_step(model: nn.Module, inputs: tuple) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[float, float]:
-    """Median step seconds of `a` and `b`, timed in alternating rounds so that load changes on
-    a shared machine hit both alike.
+def interleaved_samples(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[list, list]:
+    """Step seconds of `a` and `b`, `steps` each, timed in alternating rounds so that load
+    changes on a shared machine hit both alike: round i's two times are a pair.
 
     Each round runs one untimed step of a model before its timed step: a step is timed after a
     step of the same model, as in real training. Timing a step right after the other model's
     (a, b, a, b, ...) measured the allocator state the other model left: the wrapped
     mobilenet_v2 (b8 224, CPU) took +6 % that way and +0 % after its own step.
+
+    Rounds alternate which model goes first (a, b, then b, a), so that what the first of a
+    round pays for (a neighbour's burst, the state the previous round left) falls on both.
     """
     ta, tb = [], []
-    for _ in range(steps):
-        for model, times in ((a, ta), (b, tb)):
+    for r in range(steps):
+        pairs = ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta))
+        for model, times in pairs:
             timed_step(model, inputs)  # warm-up: leave the allocator as this model leaves it
             times.append(timed_step(model, inputs))
     zero_grad(a)
     zero_grad(b)
+    return ta, tb
+
+
+def interleaved_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[float, float]:
+    """Median step seconds of `a` and `b` (`interleaved_samples`)."""
+    ta, tb = interleaved_samples(a, b, inputs, steps)
     return statistics.median(ta), statistics.median(tb)
+
+
+def paired_ratio(ta: list, tb: list) -> tuple[float, float, float]:
+    """Median and quartiles of tb[i] / ta[i] over the rounds of `interleaved_samples`. On a
+    shared CPU the step time drifts by more than a runtime's overhead within a minute (GPT b8
+    s256 on this VM: plain medians 71-92 ms across runs); the pairs cancel the drift that
+    two separate medians keep."""
+    ratios = sorted(y / x for x, y in zip(ta, tb))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return q[1], q[0], q[2]
 
 
 @dataclass

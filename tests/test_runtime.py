@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import solver
 from monet_opt.bench import loss_of, measure_step, zero_grad
@@ -814,3 +815,28 @@ def test_wrapping_keeps_no_tensors_with_history():
     wrapped = MonetWrapper(model, baselines.chen_sqrt(problem), example_inputs=(x,))
     assert _tensors_with_history() == before
     assert wrapped is not None
+
+
+def test_interleaved_samples_alternate_order_and_pair_the_ratios():
+    """Rounds alternate which model goes first; paired_ratio is the median of per-round ratios."""
+    from monet_opt.bench import interleaved_samples, paired_ratio
+
+    calls: list[str] = []
+
+    class Tagged(nn.Module):
+        def __init__(self, tag: str) -> None:
+            super().__init__()
+            self.tag = tag
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            calls.append(self.tag)
+            return self.lin(x)
+
+    a, b = Tagged("a"), Tagged("b")
+    ta, tb = interleaved_samples(a, b, (torch.randn(4, 3),), 3)
+    assert len(ta) == len(tb) == 3 and all(t > 0 for t in ta + tb)
+    # each model runs an untimed and a timed step per round: a a b b, then b b a a, then a a b b
+    assert "".join(calls) == "aabbbbaaaabb"
+    med, q1, q3 = paired_ratio([1.0, 2.0, 4.0, 1.0], [1.1, 2.0, 4.4, 1.3])
+    assert med == pytest.approx(1.1) and q1 <= med <= q3

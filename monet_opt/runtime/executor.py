@@ -27,6 +27,7 @@ The executor follows `solver.simulate`'s memory model step by step:
 
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 import os
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
@@ -120,9 +121,15 @@ class _Dense(torch.autograd.Function):
 _SLICING_BACKWARD = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 
 
+_CONTAINERS = (list, tuple, dict, collections.deque)  # what torch's pytree may open
+
+
 def _flatten(value: Any) -> tuple[list, Any]:
-    """tree_flatten with a fast path for a bare tensor (most nodes' value): spec None."""
-    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+    """tree_flatten with a fast path for a bare tensor (most nodes' value) or any other value
+    that is not a container (a number, a dtype): spec None."""
+    if type(value) is torch.Tensor or (
+        not isinstance(value, _CONTAINERS) and type(value) not in SUPPORTED_NODES
+    ):
         return [value], None
     return tree_flatten(value)
 
@@ -141,6 +148,7 @@ class _State:
     # nodes whose backward overwrites (or passes on) the gradient it is fed
     in_place: set[str] = field(default_factory=set)
     saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
+    param_ids: set[int] = field(default_factory=set)  # a group's: ids of `params`, as members join
 
 
 @dataclass
@@ -393,10 +401,17 @@ class ScheduleExecutor:
         beside the source's accumulated gradient (one activation gradient more than the memory
         model, measured on GoogLeNet: 128 KiB over the prediction)."""
         leaves: list[tuple[str, int, _GradBox]] = []
+        if not grad:
+
+            def load_value(arg: fx.Node) -> Any:
+                return self._value_of(run, arg)
+
+            kwargs = fx.node.map_arg(node.kwargs, load_value) if node.kwargs else {}
+            return fx.node.map_arg(node.args, load_value), kwargs, leaves
         slicing = self.plans[node.name].target in _SLICING_BACKWARD
 
         def load(arg: fx.Node) -> Any:
-            if grad and arg.name in run.linked:
+            if arg.name in run.linked:
                 value = run.linked[arg.name]  # from a member of the running group: graph attached
                 if not slicing:
                     return value
@@ -406,7 +421,7 @@ class ScheduleExecutor:
                 ]
                 return _unflatten(dense, spec)
             value = self._value_of(run, arg)
-            if not grad or arg.op == "get_attr":
+            if arg.op == "get_attr":
                 return value
             flat, spec = _flatten(value)
             out = []
@@ -424,7 +439,7 @@ class ScheduleExecutor:
             return _unflatten(out, spec)
 
         args = fx.node.map_arg(node.args, load)
-        kwargs = fx.node.map_arg(node.kwargs, load)
+        kwargs = fx.node.map_arg(node.kwargs, load) if node.kwargs else {}
         return args, kwargs, leaves
 
     def _wants_grad(self, run: _StepRun, arg: fx.Node) -> bool:
@@ -445,39 +460,38 @@ class ScheduleExecutor:
         plan = self.plans[name]
         impl = plan.impls[impl_name]
         reuse = plan.reuse if impl_name == "default" and self._may_reuse(run, plan, freed) else None
-        with torch.enable_grad() if grad else torch.no_grad():
-            args, kwargs, leaves = self._args(run, plan.node, grad)
         rng_ctx = None
         before = None
-        if plan.random:
-            if recompute:
-                if name in run.rng:
-                    rng_ctx = _RestoreRng(run.rng[name])
-            else:
-                before = _save_rng()
         saved: set[int] = set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.add(storage_key(t))
-            # not t itself: a saved output packed as itself holds its own grad_fn, a cycle that
-            # no collector frees when the state is dropped without its backward (`free_state`)
-            return t.detach()
-
-        with (
-            torch.enable_grad() if grad else torch.no_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
-            if reuse == "relu":
-                out = torch.relu_(args[0])
-            elif reuse == "add":
-                out = args[0].add_(args[1])
-            else:
-                extra = {"memo": run.memos.setdefault(name, {})} if impl.replays and plan.again else {}
-                if rng_ctx is not None:
-                    with rng_ctx:
-                        out = impl.run(plan.target, args, kwargs, recompute, **extra)
+        # grad mode and the saved-tensor hooks are set through torch._C directly: the context
+        # manager objects cost a few microseconds per node, every step (session 15)
+        prev_grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(grad)
+        try:
+            args, kwargs, leaves = self._args(run, plan.node, grad)
+            if plan.random:
+                if recompute:
+                    if name in run.rng:
+                        rng_ctx = _RestoreRng(run.rng[name])
                 else:
-                    out = impl.run(plan.target, args, kwargs, recompute, **extra)
+                    before = _save_rng()
+            if not grad:  # nothing is saved without autograd: no hooks
+                out = self._call(run, plan, impl, name, args, kwargs, recompute, reuse, rng_ctx)
+            else:
+
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    saved.add(storage_key(t))
+                    # not t itself: a saved output packed as itself holds its own grad_fn, a cycle
+                    # that no collector frees when the state is dropped without its backward
+                    return t.detach()
+
+                _push_saved_hooks(pack, _unpack)
+                try:
+                    out = self._call(run, plan, impl, name, args, kwargs, recompute, reuse, rng_ctx)
+                finally:
+                    _pop_saved_hooks()
+        finally:
+            torch._C._set_grad_enabled(prev_grad)
         if before is not None and not _same_rng(before, _save_rng()):
             run.rng[name] = before  # the node drew random numbers: replay them when recomputed
         flat, spec = _flatten(out)
@@ -509,6 +523,20 @@ class ScheduleExecutor:
         detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
         run.put_value(name, _unflatten(detached, spec), detached)
 
+    @staticmethod
+    def _call(
+        run: _StepRun, plan: _Plan, impl: Implementation, name, args, kwargs, recompute, reuse, rng_ctx
+    ):
+        if reuse == "relu":
+            return torch.relu_(args[0])
+        if reuse == "add":
+            return args[0].add_(args[1])
+        extra = {"memo": run.memos.setdefault(name, {})} if impl.replays and plan.again else {}
+        if rng_ctx is not None:
+            with rng_ctx:
+                return impl.run(plan.target, args, kwargs, recompute, **extra)
+        return impl.run(plan.target, args, kwargs, recompute, **extra)
+
     def _join_group(
         self, run: _StepRun, group: Group, name: str, impl_name: str, out: Any, outs, leaves, saved
     ) -> None:
@@ -521,7 +549,10 @@ class ScheduleExecutor:
         state.leaves += leaves
         if self.plans[name].impls[impl_name].grad_in_place:  # (a pass-through: add, sub)
             state.in_place.add(name)
-        state.params += [p for p in self.plans[name].params if all(p is not q for q in state.params)]
+        for p in self.plans[name].params:
+            if id(p) not in state.param_ids:
+                state.param_ids.add(id(p))
+                state.params.append(p)
         new = saved - state.saved
         state.saved |= new
         run.saved_refs.update(new)
@@ -728,6 +759,14 @@ class ScheduleExecutor:
                 raise ScheduleRuntimeError(f"stage {stage.name!r}: unknown step op {step.op!r}")
         if self.after_stage is not None:
             self.after_stage(si)
+
+
+_push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _group_key(group: Group) -> str:
