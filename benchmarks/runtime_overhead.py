@@ -10,7 +10,8 @@ Step times: `monet_opt.bench.interleaved_samples` (rounds alternate the two mode
 step follows an untimed step of the same model). The overhead is the median of the rounds'
 wrapped/plain ratios, with its quartiles (`paired_ratio`), and the ratio of the two fastest
 steps (the executor adds work to every step; what a busy machine adds to a step only slows it,
-so the fastest steps are the least disturbed); the table also gives each model's median step. Peaks: `monet_opt.bench.measure_step_peak`.
+so the fastest steps are the least disturbed); the table also gives each model's median step.
+Peaks: `monet_opt.bench.measure_step_peak`.
 Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
 """
 
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(r)
         print(
             f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
-            f"(paired {_overhead(r['ratio'])}; fastest steps {r['min_ratio'] - 1:+.1%}); peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
+            f"(paired {_overhead(r['ratio'])}; fastest steps {r['min_ratio'] - 1:+.1%}); "
+            f"peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
             flush=True,
         )
 
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
-            f"{_overhead(r['ratio'])} | {r['min_ratio'] - 1:+.1%} | {r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
+            f"{_overhead(r['ratio'])} | {r['min_ratio'] - 1:+.1%} | "
+            f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
