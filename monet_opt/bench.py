@@ -91,7 +91,7 @@ def measure_stage_peaks(
 
     executor = wrapped.executor
     stages = executor.schedule.stages
-    groups, group_of = executor.groups, executor.group_of
+    groups = executor.groups
     if separate_graphs:
         executor.separate_graphs()
     executor.after_stage = lambda si: mark()
@@ -103,7 +103,7 @@ def measure_stage_peaks(
             training_step(wrapped, inputs)
     finally:
         executor.after_stage = None
-        executor.groups, executor.group_of = groups, group_of
+        executor.set_groups(groups)
     zero_grad(wrapped)
     segments = segment_peaks(session)  # one per stage, and what runs after the last one
     return [(stage.name, peak) for stage, (_, peak) in zip(stages, segments)]

@@ -96,7 +96,10 @@ def assert_same_gradients(model, wrapped, x, what: str):
 def check_schedule(name: str, schedule: solver.Schedule):
     model, x, problem = setup(name)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-    plain = assert_same_gradients(model, wrapped, x, name)
+    assert_same_gradients(model, wrapped, x, name)
+    # the next step replays the first one's in-place decisions, without tracking storages
+    assert wrapped.executor.reuse_decisions
+    plain = assert_same_gradients(model, wrapped, x, f"{name}, replayed step")
     # BatchNorm running statistics advanced exactly once per step, as in plain training
     for (bn, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
         torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7, msg=f"{name}: buffer {bn}")
@@ -362,6 +365,25 @@ def test_relu_and_add_run_in_place_only_when_nothing_else_needs_their_input():
     assert bn_then_relu
     assert calls.count("relu") <= sum(1 for n in problem.nodes if "relu" in n.name) - len(bn_then_relu)
     check_schedule("resnet18", schedule)  # gradients equal, peak as predicted
+
+
+def test_in_place_decisions_are_made_once_per_input_signature():
+    """The first step decides which ReLU / add steps run in place (tracking which storages
+    backward states saved); later steps with inputs of the same shape, dtype and gradient need
+    replay those decisions without asking again, and an input that needs its gradient (another
+    signature) decides again."""
+    model, x, problem = setup("resnet18")
+    wrapped = MonetWrapper(model, baselines.chen_sqrt(problem), example_inputs=(x,))
+    ex = wrapped.executor
+    first = _count_reuse(wrapped, x)
+    assert first and len(ex.reuse_decisions) == 1
+    (decided,) = ex.reuse_decisions.values()
+    assert sorted(decided.values()) == sorted(first)
+    assert _count_reuse(wrapped, x) == []  # replayed: never asked
+    assert_same_gradients(model, wrapped, x, "replayed step")
+    x_grad = x.clone().requires_grad_()
+    assert _count_reuse(wrapped, x_grad)
+    assert len(ex.reuse_decisions) == 2
 
 
 def test_builtin_gpt_runs_with_equal_gradients():

@@ -148,7 +148,6 @@ class _State:
     # nodes whose backward overwrites (or passes on) the gradient it is fed
     in_place: set[str] = field(default_factory=set)
     saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
-    param_ids: set[int] = field(default_factory=set)  # a group's: ids of `params`, as members join
 
 
 @dataclass
@@ -181,10 +180,18 @@ class _StepRun:
     value_keys: dict[str, list[int]] = field(default_factory=dict)
     saved_refs: Counter = field(default_factory=Counter)
     linked: dict[str, Any] = field(default_factory=dict)  # a running group's outputs, graph attached
+    # in-place decisions: None while they are being made (the first step of an input signature:
+    # storages tracked, `decided` filled in); then the recorded ones, replayed without tracking
+    reuse: dict[tuple[int, int], str] | None = None
+    decided: dict[tuple[int, int], str] = field(default_factory=dict)
+    signature: tuple = ()
     pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
 
     def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
         """flat: value's flattened leaves, if the caller has them."""
+        if self.reuse is not None:  # (decisions replayed: no storage tracking)
+            self.env[name] = value
+            return
         if name in self.env:
             self._unref(self.value_keys.pop(name))
         self.env[name] = value
@@ -205,7 +212,8 @@ class _StepRun:
         self.linked.pop(name, None)
         if name in self.env:
             del self.env[name]
-            self._unref(self.value_keys.pop(name))
+            if self.reuse is None:
+                self._unref(self.value_keys.pop(name))
 
     def clear(self) -> None:
         for held in (
@@ -225,11 +233,12 @@ class _StepRun:
     def put_state(self, name: str, state: _State) -> None:
         self.pop_state(name)
         self.states[name] = state
-        self.saved_refs.update(state.saved)
+        if self.reuse is None:
+            self.saved_refs.update(state.saved)
 
     def pop_state(self, name: str) -> _State | None:
         state = self.states.pop(name, None)
-        if state is not None:
+        if state is not None and self.reuse is None:
             self.saved_refs.subtract(state.saved)
         return state
 
@@ -351,8 +360,9 @@ class ScheduleExecutor:
             for i, impl in plan.impls.items()
             if impl.grad_in_place
         }
-        self.groups = find_groups(schedule, users, writes) if _GROUPS else []
-        self.group_of: dict[str, Group] = {m: g for g in self.groups for m in g.members}
+        # per input signature, the in-place decisions of a whole step (`_reuse_at`)
+        self.reuse_decisions: dict[tuple, dict[tuple[int, int], str]] = {}
+        self.set_groups(find_groups(schedule, users, writes) if _GROUPS else [])
         # called with a stage's index after its last step (`monet_opt.bench.measure_stage_peaks`)
         self.after_stage: Callable[[int], None] | None = None
         # nodes with a backward stage: their outputs need gradients
@@ -360,11 +370,22 @@ class ScheduleExecutor:
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
         }
 
+    def set_groups(self, groups: list[Group]) -> None:
+        """Run these groups' members with shared graphs (`find_groups`), every other node alone."""
+        self.reuse_decisions.clear()  # (made with the previous groups' linked values)
+        self.groups = groups
+        self.group_of: dict[str, Group] = {m: g for g in groups for m in g.members}
+        self.group_key = {m: _group_key(g) for g in groups for m in g.members}
+        # a group's parameters, each once, in the members' order (what its backward call asks for)
+        self.group_params: dict[str, list[torch.Tensor]] = {}
+        for g in groups:
+            params = {id(p): p for m in g.members for p in self.plans[m].params}
+            self.group_params[_group_key(g)] = list(params.values())
+
     def separate_graphs(self) -> None:
         """Give every node its own graph and backward call again (no groups): per-node timing
         (`monet_opt.calibrate`) needs each backward step to do its own node's work."""
-        self.groups = []
-        self.group_of = {}
+        self.set_groups([])  # (decided with the groups' linked values)
 
     def _check_schedule(self) -> None:
         for stage in self.schedule.stages:
@@ -455,11 +476,11 @@ class ScheduleExecutor:
         impl_name: str,
         grad: bool,
         recompute: bool,
-        freed: frozenset[str] = frozenset(),
+        reuse: str | None = None,
     ) -> None:
+        """reuse: 'relu' / 'add' to run the default in place on the first input (`_reuse_at`)."""
         plan = self.plans[name]
         impl = plan.impls[impl_name]
-        reuse = plan.reuse if impl_name == "default" and self._may_reuse(run, plan, freed) else None
         rng_ctx = None
         before = None
         saved: set[int] = set()
@@ -475,7 +496,7 @@ class ScheduleExecutor:
                         rng_ctx = _RestoreRng(run.rng[name])
                 else:
                     before = _save_rng()
-            if not grad:  # nothing is saved without autograd: no hooks
+            if not grad or run.reuse is not None:  # (hooks track saved storages while deciding)
                 out = self._call(run, plan, impl, name, args, kwargs, recompute, reuse, rng_ctx)
             else:
 
@@ -541,21 +562,18 @@ class ScheduleExecutor:
         self, run: _StepRun, group: Group, name: str, impl_name: str, out: Any, outs, leaves, saved
     ) -> None:
         """Add a member's forward to its group's state; the last member closes the graph."""
-        key = _group_key(group)
+        key = self.group_key[name]
         state = run.states.get(key)
         if state is None:
-            state = _State(None, _GradBox(), [], [], [])
+            state = _State(None, _GradBox(), [], [], self.group_params[key])
             run.put_state(key, state)
         state.leaves += leaves
         if self.plans[name].impls[impl_name].grad_in_place:  # (a pass-through: add, sub)
             state.in_place.add(name)
-        for p in self.plans[name].params:
-            if id(p) not in state.param_ids:
-                state.param_ids.add(id(p))
-                state.params.append(p)
-        new = saved - state.saved
-        state.saved |= new
-        run.saved_refs.update(new)
+        if run.reuse is None:
+            new = saved - state.saved
+            state.saved |= new
+            run.saved_refs.update(new)
         if name in group.external:
             state.outputs += [(name, i) for i, _ in outs]
             run.pending += [t for _, t in outs]
@@ -616,14 +634,15 @@ class ScheduleExecutor:
     def _backward(self, run: _StepRun, name: str) -> None:
         group = self.group_of.get(name)
         if group is not None:
-            if _group_key(group) not in run.states:
+            key = self.group_key[name]
+            if key not in run.states:
                 return  # the group's backward already ran, at its first member's step
             for op, node in group.frees:  # the frees of its stage range, before the engine runs
                 if op == "free_value":
                     run.pop_value(node)
                 else:
                     run.pop_state(node)
-            state = run.pop_state(_group_key(group))
+            state = run.pop_state(key)
             members = group.members
         else:
             state = run.pop_state(name)
@@ -718,7 +737,12 @@ class ScheduleExecutor:
     def run_forward(self, inputs: tuple) -> tuple[_StepRun, list[torch.Tensor], Any]:
         if len(inputs) != len(self.placeholders):
             raise ScheduleRuntimeError(f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}")
-        run = _StepRun(inputs={p.name: x for p, x in zip(self.placeholders, inputs)})
+        signature = _signature(inputs)
+        run = _StepRun(
+            inputs={p.name: x for p, x in zip(self.placeholders, inputs)},
+            reuse=self.reuse_decisions.get(signature),
+            signature=signature,
+        )
         self._run_stage(run, 0, recompute=False)
         outputs = fx.node.map_arg(self.output_node.args[0], lambda n: self._value_of(run, n))
         flat, spec = tree_flatten(outputs)
@@ -741,14 +765,27 @@ class ScheduleExecutor:
             self._run_stage(run, si, recompute=True)
         input_grads = run.input_grads
         input_grads.update({("param", k): v for k, v in run.param_grads.items()})
+        if run.reuse is None:  # a whole step decided: replay its decisions from now on
+            self.reuse_decisions[run.signature] = run.decided
         run.clear()
         return input_grads
+
+    def _reuse_at(self, run: _StepRun, si: int, k: int, name: str, impl_name: str) -> str | None:
+        """Whether stage si's step k runs its default in place: replayed, or decided now."""
+        if run.reuse is not None:
+            return run.reuse.get((si, k))
+        plan = self.plans[name]
+        if impl_name == "default" and self._may_reuse(run, plan, self.freed_after[si][k]):
+            run.decided[(si, k)] = plan.reuse
+            return plan.reuse
+        return None
 
     def _run_stage(self, run: _StepRun, si: int, recompute: bool) -> None:
         stage = self.schedule.stages[si]
         for k, step in enumerate(stage.steps):
             if step.op == "compute":
-                self.compute(run, step.node, step.impl, step.grad, recompute, self.freed_after[si][k])
+                reuse = self._reuse_at(run, si, k, step.node, step.impl)
+                self.compute(run, step.node, step.impl, step.grad, recompute, reuse)
             elif step.op == "backward":
                 self.backward(run, step.node)
             elif step.op == "free_value":
@@ -767,6 +804,19 @@ _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _signature(inputs: tuple) -> tuple:
+    """What the in-place decisions of a step depend on besides the schedule: the inputs'
+    shapes, dtypes, devices and whether they need gradients, and the autocast state."""
+    parts: list = [
+        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else type(x)
+        for x in inputs
+    ]
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            parts.append((device, torch.get_autocast_dtype(device)))
+    return tuple(parts)
 
 
 def _group_key(group: Group) -> str:
