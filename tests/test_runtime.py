@@ -419,6 +419,47 @@ def _backward_calls(wrapped, x, monkeypatch) -> int:
     return len(calls)
 
 
+@pytest.mark.parametrize("name", ["resnet18", "googlenet", "gpt"])
+@pytest.mark.parametrize("strategy", ["no_recompute", "chen_sqrt"])
+def test_group_forwards_run_as_generated_functions(name, strategy, monkeypatch):
+    """From the second step of an input signature on, each group's forward span runs as one
+    generated function (runtime/segments.py): the no-recompute schedule's whole forward, and
+    sqrt(n)'s recomputed segments. Its steps match the interpreter's: gradients equal plain
+    PyTorch's on replayed steps (check_schedule: peak within 5 % of the prediction too), and
+    the interpreter computes only what lies outside the spans."""
+    from monet_opt.runtime import executor
+
+    model, x, problem = setup(name)
+    schedule = getattr(baselines, strategy)(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    ex = wrapped.executor
+    computed = []
+    real = ex.compute
+
+    def spy(run, node, impl, grad, *args, **kwargs):
+        computed.append((node, grad))
+        return real(run, node, impl, grad, *args, **kwargs)
+
+    monkeypatch.setattr(ex, "compute", spy)
+    loss_of(wrapped(x)).backward()  # decides
+    first = len(computed)
+    computed.clear()
+    loss_of(wrapped(x)).backward()  # replays
+    zero_grad(wrapped)
+    built = [seg for seg in ex.segments.values() if seg is not None]
+    assert ex.groups and built, "no group ran as a generated function"
+    # (sqrt(n)'s forward computes the same nodes without autograd, outside any group)
+    inside = {s.node for seg in built for s in schedule.stages[seg.stage].steps[seg.start : seg.end]}
+    assert len(computed) < first and not {n for n, grad in computed if grad} & inside
+    monkeypatch.setattr(ex, "compute", real)
+    check_schedule(name, schedule)
+    monkeypatch.setattr(executor, "_SEGMENTS", False)  # the interpreter alone: the same gradients
+    interpreted = MonetWrapper(model, schedule, example_inputs=(x,))
+    for _ in range(2):  # (deciding, replaying)
+        assert_same_gradients(model, interpreted, x, "interpreted")
+    assert not any(interpreted.executor.segments.values())
+
+
 def test_plain_runs_share_one_autograd_graph(monkeypatch):
     """Nodes the schedule runs as plain PyTorch would (computed once with autograd, backward
     steps back to back) share one graph and one backward call: the whole model when nothing
