@@ -460,6 +460,22 @@ def test_group_forwards_run_as_generated_functions(name, strategy, monkeypatch):
     assert not any(interpreted.executor.segments.values())
 
 
+def test_a_span_fx_cannot_generate_is_interpreted(monkeypatch):
+    """If fx cannot generate a group's forward, the step runs interpreted, with a warning."""
+    from monet_opt.runtime import executor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("codegen failed")
+
+    monkeypatch.setattr(executor, "build_segment", broken)
+    model, x, problem = setup("resnet18")
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,))
+    assert_same_gradients(model, wrapped, x, "deciding step")
+    with pytest.warns(UserWarning, match="interpreted step by step.*codegen failed"):
+        assert_same_gradients(model, wrapped, x, "interpreted step")
+    assert wrapped.executor.segments and not any(wrapped.executor.segments.values())
+
+
 def test_plain_runs_share_one_autograd_graph(monkeypatch):
     """Nodes the schedule runs as plain PyTorch would (computed once with autograd, backward
     steps back to back) share one graph and one backward call: the whole model when nothing

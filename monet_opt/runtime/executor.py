@@ -37,6 +37,7 @@ import collections
 import functools
 import operator
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -807,9 +808,17 @@ class ScheduleExecutor:
         (`runtime/segments.py`), built on the first replayed step of this input signature."""
         key = (run.signature, si, k)
         if key not in self.segments:
-            self.segments[key] = (
-                build_segment(self, run, si, k, self.group_starts[(si, k)]) if _SEGMENTS else None
-            )
+            segment = None
+            if _SEGMENTS:
+                try:
+                    segment = build_segment(self, run, si, k, self.group_starts[(si, k)])
+                except Exception as err:  # (fx could not generate it: the interpreter runs the span)
+                    warnings.warn(
+                        f"monet-opt: the forward of the group starting at {self.group_starts[(si, k)].members[0]!r} "
+                        f"is interpreted step by step (no generated function: {err})",
+                        stacklevel=2,
+                    )
+            self.segments[key] = segment
         return self.segments[key]
 
     def _run_segment(self, run: _StepRun, segment: Segment, group: Group) -> None:
