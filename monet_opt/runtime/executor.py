@@ -218,6 +218,11 @@ class _StepRun:
         for k in keys:
             refs[k] -= 1
 
+    def put_detached(self, name: str, flat: list, spec: Any) -> None:
+        """The handle of a computed value (flattened): its tensors detached."""
+        detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+        self.put_value(name, _unflatten(detached, spec), detached)
+
     def pop_value(self, name: str) -> None:
         self.linked.pop(name, None)
         if name in self.env:
@@ -396,7 +401,7 @@ class ScheduleExecutor:
         # (stage, step) of each group's first member compute; members whose backward passes the
         # gradient it is fed on (add's)
         self.group_starts: dict[tuple[int, int], Group] = {}
-        self.group_in_place: dict[str, frozenset[str]] = {}
+        self.group_in_place: dict[str, frozenset[str]] = {_group_key(g): frozenset() for g in groups}
         for si, stage in enumerate(self.schedule.stages):
             for k, step in enumerate(stage.steps):
                 group = self.group_of.get(step.node)
@@ -404,10 +409,7 @@ class ScheduleExecutor:
                     if step.node == group.members[0]:
                         self.group_starts[(si, k)] = group
                     if self.plans[step.node].impls[step.impl].grad_in_place:
-                        key = _group_key(group)
-                        self.group_in_place[key] = self.group_in_place.get(key, frozenset()) | {step.node}
-        for g in groups:
-            self.group_in_place.setdefault(_group_key(g), frozenset())
+                        self.group_in_place[_group_key(group)] |= {step.node}
         self.stage_group_starts = [
             {k for (s, k) in self.group_starts if s == si} for si in range(len(self.schedule.stages))
         ]
@@ -415,7 +417,7 @@ class ScheduleExecutor:
     def separate_graphs(self) -> None:
         """Give every node its own graph and backward call again (no groups): per-node timing
         (`monet_opt.calibrate`) needs each backward step to do its own node's work."""
-        self.set_groups([])  # (decided with the groups' linked values)
+        self.set_groups([])
 
     def _check_schedule(self) -> None:
         for stage in self.schedule.stages:
@@ -477,11 +479,7 @@ class ScheduleExecutor:
             flat, spec = _flatten(value)
             out = []
             for pos, t in enumerate(flat):
-                if (
-                    isinstance(t, torch.Tensor)
-                    and (t.is_floating_point() or t.is_complex())
-                    and (t.requires_grad or self._wants_grad(run, arg))
-                ):
+                if self.needs_leaf(run, arg, t):
                     box = _GradBox()
                     leaves.append((arg.name, pos, box))
                     out.append(_Leaf.apply(box, _ANCHOR, t))
@@ -492,6 +490,15 @@ class ScheduleExecutor:
         args = fx.node.map_arg(node.args, load)
         kwargs = fx.node.map_arg(node.kwargs, load) if node.kwargs else {}
         return args, kwargs, leaves
+
+    def needs_leaf(self, run: _StepRun, arg: fx.Node, t: Any) -> bool:
+        """A reader with autograd takes t (a flat part of arg's value) through a `_Leaf`: a
+        floating tensor that needs a gradient."""
+        return (
+            isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex())
+            and (t.requires_grad or self._wants_grad(run, arg))
+        )
 
     def _wants_grad(self, run: _StepRun, arg: fx.Node) -> bool:
         if arg.op == "placeholder":
@@ -571,8 +578,7 @@ class ScheduleExecutor:
                     ),
                 )
         run.flat_len[name] = len(flat)
-        detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
-        run.put_value(name, _unflatten(detached, spec), detached)
+        run.put_detached(name, flat, spec)
 
     @staticmethod
     def _call(
@@ -834,10 +840,7 @@ class ScheduleExecutor:
             torch._C._set_grad_enabled(prev_grad)
         n_held = len(segment.held)
         for name, value in zip(segment.held, out[:n_held]):
-            flat, spec = _flatten(value)
-            run.put_value(
-                name, _unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
-            )
+            run.put_detached(name, *_flatten(value))
         key = self.group_key[group.members[0]]
         state = _State(None, _GradBox(), [], leaves, self.group_params[key], set(self.group_in_place[key]))
         pending = []

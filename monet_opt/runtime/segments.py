@@ -144,8 +144,6 @@ def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
             continue
         if step.op != "compute":
             return None  # a backward step or a dropped state inside the span
-        plan = executor.plans[step.node]
-        impl = plan.impls[step.impl]
         if step.grad != (step.node in members):
             return None
         if step.node == last:
@@ -229,15 +227,11 @@ def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
 
 
 def _needs_leaf(executor, run, arg: fx.Node) -> bool:
-    """As the interpreter's `_args`: a floating tensor that needs a gradient."""
+    """As the interpreter's `_args` (`ScheduleExecutor.needs_leaf`), for a value that is not a container."""
     value = executor._value_of(run, arg)
-    if not isinstance(value, torch.Tensor):
-        if isinstance(value, (list, tuple, dict)):
-            raise _NotPlain
-        return False
-    return (value.is_floating_point() or value.is_complex()) and (
-        value.requires_grad or executor._wants_grad(run, arg)
-    )
+    if isinstance(value, (list, tuple, dict)):
+        raise _NotPlain
+    return executor.needs_leaf(run, arg, value)
 
 
 class _NotPlain(Exception):
