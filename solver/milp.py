@@ -1413,18 +1413,7 @@ def _ladder(
         )
         last = (w, res)
         results.append((w, res, warm is not None))
-        attempts.append(
-            {
-                "minimise": what,
-                "window": w,
-                "status": res.status,
-                "objective": res.objective,
-                "bound": res.dual_bound,
-                "seconds": round(res.solve_time_s, 2),
-                "cols": res.n_cols,
-                "rows": res.n_rows,
-            }
-        )
+        attempts.append(_attempt(what, w, res))
         log(
             verbose,
             f"HiGHS ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
@@ -1454,19 +1443,7 @@ def _ladder(
                 verbose=verbose,
             )
             results.append((best_form.window, res, True))
-            attempts.append(
-                {
-                    "minimise": what,
-                    "window": best_form.window,
-                    "status": res.status,
-                    "objective": res.objective,
-                    "bound": res.dual_bound,
-                    "seconds": round(res.solve_time_s, 2),
-                    "cols": res.n_cols,
-                    "rows": res.n_rows,
-                    "after_polishing": True,
-                }
-            )
+            attempts.append({**_attempt(what, best_form.window, res), "after_polishing": True})
             log(
                 verbose,
                 f"HiGHS again after polishing (window {best_form.window}): {res.status}, objective "
@@ -1486,6 +1463,20 @@ def _ladder(
             if proven is None or gap <= proven[1]:
                 proven = (w, gap, res.status)
     return _LadderResult(best[:3] if best else None, last, attempts, proven)
+
+
+def _attempt(what: str, window: int | None, res: MilpResult) -> dict:
+    """One HiGHS run, as `meta["milp_attempts"]` records it."""
+    return {
+        "minimise": what,
+        "window": window,
+        "status": res.status,
+        "objective": res.objective,
+        "bound": res.dual_bound,
+        "seconds": round(res.solve_time_s, 2),
+        "cols": res.n_cols,
+        "rows": res.n_rows,
+    }
 
 
 def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> Plan | None:
