@@ -531,11 +531,12 @@ def test_time_left_after_polishing_goes_to_highs_and_its_bound_counts(monkeypatc
     real = M.Formulation.solve_highs
 
     def short_first_run(form, time_limit, *args, **kwargs):
-        first = not kwargs.get("relax") and not kwargs.get("fixed") and not calls
-        if not kwargs.get("relax") and not kwargs.get("fixed"):
+        whole_milp = not kwargs.get("relax") and not kwargs.get("fixed")  # (not RINS, not polishing)
+        if whole_milp:
             calls.append(time_limit)
-        # the window's first HiGHS run is cut short, so it ends at its time limit
-        return real(form, 0.5 if first else time_limit, *args, **kwargs)
+            if len(calls) == 1:
+                time_limit = 0.5  # the window's first HiGHS run is cut short: it ends at its time limit
+        return real(form, time_limit, *args, **kwargs)
 
     monkeypatch.setattr(M.Formulation, "solve_highs", short_first_run)
     monkeypatch.setattr(M, "_polish", lambda *args, **kwargs: None)
