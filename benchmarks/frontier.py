@@ -218,7 +218,13 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
     ]
     say("monet-opt, step in the backward: profiling")
     problem = build_problem(
-        model, inputs, progress=args.verbose, calibrate=args.calibrate, optimizer=name, meta=spec_meta(args)
+        model,
+        inputs,
+        progress=args.verbose,
+        calibrate=args.calibrate,
+        optimizer=name,
+        meta=spec_meta(args),
+        zero_pack=args.zero_pack,
     )
     problem.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_problem.json")
     say(f"monet-opt, step in the backward: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
@@ -309,6 +315,7 @@ def run(args) -> list[Row]:
     problem = build_problem(
         model,
         inputs,
+        zero_pack=args.zero_pack,
         progress=args.verbose,
         use_cache=not args.fresh_profile,
         calibrate=args.calibrate,
@@ -491,6 +498,11 @@ def parse_args(argv=None):
         metavar="OPTIMIZER",
         choices=sorted(OPTIMIZERS),
         help="also measure plain PyTorch and monet-opt with this optimizer's step fused into the backward",
+    )
+    ap.add_argument(
+        "--zero-pack",
+        action="store_true",
+        help="let monet-opt's convolutions keep their ReLU input packed (`build_problem(zero_pack=True)`)",
     )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="resnet18, batch 4, 64x64, budgets 1.0,0.75,0.5")

@@ -48,6 +48,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "updated, and its gradient freed, once its gradient is complete (run the schedule with "
         "MonetWrapper(..., optimizer=OPTIMIZER)); choices: %(choices)s",
     )
+    p.add_argument(
+        "--zero-pack",
+        action="store_true",
+        help="also let convolutions keep their ReLU input packed (bit mask + nonzero elements, "
+        "lossless): less memory for ReLU networks, but its size follows the data's density, "
+        "measured on the example batch",
+    )
 
 
 def _spec(args):
@@ -78,6 +85,7 @@ def _problem(args, quiet: bool = False):
         progress=not quiet,
         calibrate=getattr(args, "calibrate", False),
         optimizer=getattr(args, "step_in_backward", None),
+        zero_pack=getattr(args, "zero_pack", False),
         meta=spec.meta(),
     )
     if not quiet:

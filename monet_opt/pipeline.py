@@ -62,13 +62,15 @@ def solve_model(
     problem: Problem | None = None,
     meta: dict | None = None,
     optimizer: Any = None,
+    zero_pack: bool = False,
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
-    step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`)."""
+    step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`).
+    zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`)."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     problem = problem or build_problem(
-        model, example_inputs, progress=verbose, meta=meta, optimizer=optimizer
+        model, example_inputs, progress=verbose, meta=meta, optimizer=optimizer, zero_pack=zero_pack
     )
     budget = parse_budget(budget)
     if budget == "min":

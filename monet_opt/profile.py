@@ -391,6 +391,7 @@ def build_problem(
     meta: dict | None = None,
     calibrate: bool = False,
     optimizer: Any = None,
+    zero_pack: bool = False,
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -403,7 +404,12 @@ def build_problem(
     optimizer: a factory (`params -> torch.optim.Optimizer`) or a name in
     `monet_opt.step_in_backward.OPTIMIZERS`: the optimizer steps inside the backward, each
     parameter as soon as its gradient is complete, and its gradient is freed then. The
-    problem's fingerprint says so; run its schedules with `MonetWrapper(..., optimizer=...)`."""
+    problem's fingerprint says so; run its schedules with `MonetWrapper(..., optimizer=...)`.
+
+    zero_pack: also offer implementations whose kept bytes depend on the values (a convolution
+    keeping its ReLU input as a bit mask and the nonzero elements, `monet_opt.ops.zero_pack`).
+    Their memory is measured on `example_inputs`: profile with a real batch, and expect a
+    batch whose activations are denser than it to use more memory than predicted."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -453,6 +459,11 @@ def build_problem(
 
         args = fx.node.map_arg(fx_node.args, load)
         kwargs = fx.node.map_arg(fx_node.kwargs, load)
+        impls = [
+            i
+            for i in impls
+            if (zero_pack or i.value_state_bytes is None) and (i.applies is None or i.applies(args, kwargs))
+        ]
         sources, positions, inputs = _arg_layout(fx_node, args, kwargs, op_names)
         flat_vals = tree_flatten((args, kwargs))[0]
         grad_positions = [
@@ -518,6 +529,8 @@ def build_problem(
                 cache.put(key, entry, load)
             else:
                 hits += 1
+            if impl.value_state_bytes is not None:  # this node's values, not a same-shaped node's
+                entry = dict(entry, state_bytes=int(impl.value_state_bytes(args, kwargs)))
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
             in_place = _grad_in_place_position(impl, flat_vals, positions, flat_out)
             writes_into = fwd_in_place if impl.name == "default" else None
@@ -622,6 +635,8 @@ def build_problem(
             "optimizer": optimizer if isinstance(optimizer, str) else repr(optimizer),
             "step_bytes_per_param_byte": step_ratio,
         }
+    if zero_pack:
+        info["zero_pack"] = True  # value-dependent implementations offered (memory from the example)
     problem = Problem(nodes=tuple(nodes), fingerprint=fingerprint, fixed_bytes=fixed, meta=info)
     if calibrate and any(n.requires_backward for n in nodes):
         from monet_opt.calibrate import calibrate_in_situ

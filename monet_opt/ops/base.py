@@ -28,13 +28,26 @@ class Implementation:
     step: the first computation stores in it what a recomputation reuses (batch norm: the
     batch statistics), and a recomputation given a filled memo reuses it. Without a memo, or
     with an empty one, the node computes everything. The profiler times the memo path as the
-    implementation's `recompute_time`."""
+    implementation's `recompute_time`.
+
+    applies: given the node's example (args, kwargs), whether the implementation is worth
+    offering there (the profiler skips it, and the solver never sees it, where this says False);
+    None: everywhere. The runtime runs any implementation a schedule names.
+
+    value_state_bytes: for an implementation whose kept bytes depend on the tensor values, not
+    only on shapes (a zero-packed input: its size follows the input's density), the private bytes
+    its backward keeps for given example (args, kwargs). The profiler takes them from the node's
+    own example values (its cache is keyed by shapes: two nodes of one shape share times, not
+    these bytes), and offers such implementations only when asked (`build_problem(...,
+    zero_pack=True)`): a denser batch in training keeps more than predicted."""
 
     name: str
     run: Callable[..., Any]
     description: str = ""
     grad_in_place: bool = False
     replays: bool = False
+    applies: Callable[[tuple, dict], bool] | None = None
+    value_state_bytes: Callable[[tuple, dict], int] | None = None
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

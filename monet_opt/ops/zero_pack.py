@@ -1,0 +1,285 @@
+"""Lossless packing of tensors with many exact zeros (ReLU outputs): a bit mask and the nonzero words.
+
+`pack(x)` returns a `Packed` (a bit per element, set where the element's bits are not all zero,
+and the nonzero elements in order); `unpack(p)` gives back x, bitwise (-0.0 and NaN included:
+"zero" means the all-zero bit pattern). A ReLU output of density d packs into n/8 + d*n*4
+bytes instead of 4n (fp32).
+
+On CPU, for 4-byte dtypes, a small C kernel does each direction in one pass (AVX-512
+compress-store / expand-load where the compiler targets them, else a branchless loop), split
+over torch's intra-op threads. It is compiled on first use with the system C compiler into
+the cache directory (`$MONET_OPT_CACHE`, like the profiles) and loaded with ctypes; nothing is
+compiled at import. Without a compiler, on CUDA and for other dtypes, torch ops do the same
+job (same result, several times slower on CPU: the profiler times whichever runs, so the
+solver sees the real cost). `MONET_OPT_ZERO_PACK_KERNEL=0` switches the kernel off.
+
+Measured (AMD EPYC with AVX-512, one ReLU output of 8x256x56x56 fp32, 24.5 MiB, density 0.5,
+2 threads): pack 2.3 ms, unpack 1.4 ms; torch ops 89 ms and 35 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .common import pack_bits, unpack_bits
+
+_C_SOURCE = r"""
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* x: n 4-byte words. bits: ceil(n/8) bytes, bit i%8 of byte i/8 set iff x[i] != 0.
+   Returns the number of nonzero words. */
+int64_t zp_mask(const uint32_t *x, int64_t n, uint8_t *bits) {
+    int64_t k = 0, i = 0;
+#if defined(__AVX512F__)
+    uint16_t *b16 = (uint16_t *)bits;
+    for (; i + 16 <= n; i += 16) {
+        __m512i v = _mm512_loadu_si512((const void *)(x + i));
+        __mmask16 m = _mm512_test_epi32_mask(v, v);
+        b16[i >> 4] = (uint16_t)m;
+        k += __builtin_popcount((unsigned)m);
+    }
+#endif
+    for (; i < n; i += 8) {
+        uint32_t b = 0;
+        for (int j = 0; j < 8 && i + j < n; j++) b |= (uint32_t)(x[i + j] != 0) << j;
+        bits[i >> 3] = (uint8_t)b;
+        k += __builtin_popcount(b);
+    }
+    return k;
+}
+
+/* The nonzero words of x (as marked in bits) written to vals in order; vals holds exactly
+   `count` words. (A compress in registers and a whole 64-byte store, while 16 words of room
+   remain: the masked compress-store to memory is microcoded, and 6x slower, on AMD Zen 4.) */
+void zp_compress(const uint32_t *x, int64_t n, const uint8_t *bits, uint32_t *vals, int64_t count) {
+    int64_t k = 0, i = 0;
+#if defined(__AVX512F__)
+    const uint16_t *b16 = (const uint16_t *)bits;
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 m = (__mmask16)b16[i >> 4];
+        __m512i v = _mm512_loadu_si512((const void *)(x + i));
+        if (k + 16 <= count)
+            _mm512_storeu_si512((void *)(vals + k), _mm512_maskz_compress_epi32(m, v));
+        else
+            _mm512_mask_compressstoreu_epi32((void *)(vals + k), m, v);
+        k += __builtin_popcount((unsigned)m);
+    }
+#endif
+    for (; i < n; i++) {
+        if ((bits[i >> 3] >> (i & 7)) & 1u) vals[k++] = x[i];
+    }
+}
+
+/* Inverse: x[i] = next value where the bit is set, else 0. */
+void zp_expand(const uint8_t *bits, const uint32_t *vals, int64_t n, uint32_t *x) {
+    int64_t k = 0, i = 0;
+#if defined(__AVX512F__)
+    const uint16_t *b16 = (const uint16_t *)bits;
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 m = (__mmask16)b16[i >> 4];
+        __m512i v = _mm512_maskz_expandloadu_epi32(m, (const void *)(vals + k));
+        _mm512_storeu_si512((void *)(x + i), v);
+        k += __builtin_popcount((unsigned)m);
+    }
+#endif
+    for (; i < n; i++) {
+        uint32_t nz = (bits[i >> 3] >> (i & 7)) & 1u;
+        x[i] = nz ? vals[k] : 0u;
+        k += nz;
+    }
+}
+"""
+
+# Chunks start on multiples of this many elements (a whole 16-bit mask word).
+_ALIGN = 16
+# Below this many elements one thread does the whole tensor.
+_MIN_PARALLEL = 1 << 16
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MONET_OPT_CACHE", Path.home() / ".cache" / "monet-opt"))
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "model name"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _compile() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    digest = hashlib.sha256((_C_SOURCE + _cpu_key()).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"zero_pack-{digest}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "zero_pack.c"
+            src.write_text(_C_SOURCE)
+            out = Path(tmp) / "zero_pack.so"
+            flags = ["-O3", "-shared", "-fPIC"]
+            if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+                flags.append("-march=native")
+            proc = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling the zero-pack kernel failed: {proc.stderr.strip()[:400]}")
+            staged = path.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(out, staged)
+            os.replace(staged, path)  # atomic: a concurrent process loads a whole file or none
+    lib = ctypes.CDLL(str(path))
+    lib.zp_mask.restype = ctypes.c_int64
+    lib.zp_mask.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.zp_compress.restype = None
+    lib.zp_compress.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
+    lib.zp_expand.restype = None
+    lib.zp_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (and `kernel_error()` says why); compiled once per process."""
+    global _lib, _lib_error
+    if os.environ.get("MONET_OPT_ZERO_PACK_KERNEL", "1") == "0":
+        return None
+    with _lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _compile()
+            except (OSError, RuntimeError) as exc:
+                _lib_error = str(exc)
+        return _lib
+
+
+def kernel_error() -> str | None:
+    return _lib_error
+
+
+@dataclass
+class Packed:
+    """bits: uint8, ceil(numel/8) bytes; values: the nonzero elements (dtype of the original);
+    offsets: where each thread chunk's values start (kernel path), for unpacking in parallel."""
+
+    bits: torch.Tensor
+    values: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    offsets: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.numel() + self.values.numel() * self.values.element_size()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bits, self.values
+
+
+def packed_bytes(x: torch.Tensor) -> int:
+    """What `pack(x)` allocates: ceil(numel/8) mask bytes and the nonzero elements."""
+    return (x.numel() + 7) // 8 + int(_nonzero_mask(x.contiguous()).sum()) * x.element_size()
+
+
+def _kernel_usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.element_size() == 4 and x.is_contiguous() and kernel() is not None
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    threads = max(1, torch.get_num_threads())
+    if threads == 1 or n < _MIN_PARALLEL:
+        return [(0, n)]
+    size = -(-n // threads)
+    size = -(-size // _ALIGN) * _ALIGN
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _run(fn, jobs: list[tuple]) -> list:
+    global _pool
+    if len(jobs) == 1:
+        return [fn(*jobs[0])]
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()))
+    return list(_pool.map(lambda job: fn(*job), jobs))  # ctypes releases the GIL in the calls
+
+
+def pack(x: torch.Tensor) -> Packed:
+    """x as a bit mask of its nonzero elements and those elements (lossless, bitwise)."""
+    if _kernel_usable(x):
+        return _pack_kernel(x)
+    return _pack_torch(x)
+
+
+def _pack_kernel(x: torch.Tensor) -> Packed:
+    lib = kernel()
+    n = x.numel()
+    words = x.view(-1)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    xp, bp = words.data_ptr(), bits.data_ptr()
+    chunks = _chunks(n)
+    counts = _run(lambda a, b: lib.zp_mask(xp + 4 * a, b - a, bp + a // 8), chunks)
+    values = torch.empty(int(sum(counts)), dtype=x.dtype)
+    vp, offsets, k = values.data_ptr(), [], 0
+    for (a, b), c in zip(chunks, counts):
+        offsets.append((a, b, k))
+        k += c
+    jobs = [(a, b, k, c) for (a, b, k), c in zip(offsets, counts)]
+    _run(lambda a, b, k, c: lib.zp_compress(xp + 4 * a, b - a, bp + a // 8, vp + 4 * k, c), jobs)
+    return Packed(bits, values, x.shape, x.dtype, tuple(offsets))
+
+
+def _nonzero_mask(x: torch.Tensor) -> torch.Tensor:
+    """True where the element's bit pattern is not all zeros (so -0.0 counts as nonzero)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.reshape(-1).view(ints) != 0
+
+
+def _pack_torch(x: torch.Tensor) -> Packed:
+    mask = _nonzero_mask(x.contiguous())
+    values = x.reshape(-1).masked_select(mask)
+    return Packed(pack_bits(mask), values, x.shape, x.dtype)
+
+
+def unpack(p: Packed) -> torch.Tensor:
+    """The tensor `pack` was given, bitwise."""
+    n = 1
+    for s in p.shape:
+        n *= s
+    if p.offsets and p.bits.device.type == "cpu" and kernel() is not None:
+        lib = kernel()
+        out = torch.empty(p.shape, dtype=p.dtype)
+        op, bp, vp = out.data_ptr(), p.bits.data_ptr(), p.values.data_ptr()
+        _run(lambda a, b, k: lib.zp_expand(bp + a // 8, vp + 4 * k, b - a, op + 4 * a), list(p.offsets))
+        return out
+    mask = unpack_bits(p.bits, n, (n,))
+    out = torch.zeros(n, dtype=p.dtype, device=p.values.device)
+    return out.masked_scatter_(mask, p.values).view(p.shape)
