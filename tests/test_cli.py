@@ -84,3 +84,18 @@ def test_solve_min_budget_finds_the_smallest_peak(tmp_path, capsys):
     lowest = min(s.predicted_peak_bytes for s in B.all_baselines(problem, None).values())
     assert min_feasible_lower_bound(problem) <= peak <= lowest
     assert peak <= schedule.budget_bytes
+
+
+def test_zero_pack_is_offered_only_when_asked_and_its_schedule_runs(tmp_path, capsys):
+    args = ["resnet18", "--batch", "2", "--image", "32"]
+    assert main(["profile", *args]) == 0
+    assert "zero_packed_input" not in capsys.readouterr().out
+    assert main(["profile", *args, "--zero-pack"]) == 0
+    assert "zero_packed_input" in capsys.readouterr().out
+    path = tmp_path / "r18_zp.json"
+    assert main(["solve", *SMALL, "--zero-pack", "--budget", "1.0", "-o", str(path)]) == 0
+    capsys.readouterr()
+    schedule = Schedule.from_json(path)
+    assert schedule.predicted_peak_bytes <= schedule.budget_bytes
+    assert main(["bench", str(path), "--steps", "1"]) == 0
+    assert "monet-opt (measured)" in capsys.readouterr().out
