@@ -35,7 +35,7 @@ from torch.nn.modules.utils import _pair
 
 from . import zero_pack
 from .base import Implementation
-from .common import is_fake_or_meta, out_of_place_default
+from .common import first_tensor, is_fake_or_meta, out_of_place_default
 
 
 def _chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -279,15 +279,14 @@ ZERO_PACK_MIN_ZEROS = 0.2
 
 
 def _input_mostly_zeros(args: tuple, kwargs: dict) -> bool:
-    x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, torch.Tensor) or is_fake_or_meta(x) or x.numel() == 0:
+    x = first_tensor(args, kwargs)
+    if is_fake_or_meta(x) or x.numel() == 0:
         return False
-    return float((x.detach() == 0).sum()) >= ZERO_PACK_MIN_ZEROS * x.numel()
+    return x.numel() - zero_pack.nonzero_count(x) >= ZERO_PACK_MIN_ZEROS * x.numel()
 
 
 def _packed_input_bytes(args: tuple, kwargs: dict) -> int:
-    x = args[0] if args else kwargs["input"]
-    return zero_pack.packed_bytes(x)
+    return zero_pack.packed_bytes(first_tensor(args, kwargs))
 
 
 def _make_cudnn(benchmark: bool, deterministic: bool):

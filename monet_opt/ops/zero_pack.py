@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -116,10 +117,6 @@ _lib_error: str | None = None
 _pool: ThreadPoolExecutor | None = None
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MONET_OPT_CACHE", Path.home() / ".cache" / "monet-opt"))
-
-
 def _cpu_key() -> str:
     """What -march=native compiles for: the CPU's model and flags."""
     try:
@@ -134,8 +131,10 @@ def _compile() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    from monet_opt.profile import cache_dir  # (here: profile imports the ops registry)
+
     digest = hashlib.sha256((_C_SOURCE + _cpu_key()).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"zero_pack-{digest}.so"
+    path = cache_dir() / f"zero_pack-{digest}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -200,13 +199,15 @@ class Packed:
     def nbytes(self) -> int:
         return self.bits.numel() + self.values.numel() * self.values.element_size()
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bits, self.values
+
+def nonzero_count(x: torch.Tensor) -> int:
+    """How many elements `pack` keeps: those whose bit pattern is not all zeros."""
+    return int(_nonzero_mask(x.contiguous()).sum())
 
 
 def packed_bytes(x: torch.Tensor) -> int:
     """What `pack(x)` allocates: ceil(numel/8) mask bytes and the nonzero elements."""
-    return (x.numel() + 7) // 8 + int(_nonzero_mask(x.contiguous()).sum()) * x.element_size()
+    return (x.numel() + 7) // 8 + nonzero_count(x) * x.element_size()
 
 
 def _kernel_usable(x: torch.Tensor) -> bool:
@@ -271,15 +272,13 @@ def _pack_torch(x: torch.Tensor) -> Packed:
 
 def unpack(p: Packed) -> torch.Tensor:
     """The tensor `pack` was given, bitwise."""
-    n = 1
-    for s in p.shape:
-        n *= s
-    if p.offsets and p.bits.device.type == "cpu" and kernel() is not None:
-        lib = kernel()
+    lib = kernel() if p.offsets and p.bits.device.type == "cpu" else None
+    if lib is not None:
         out = torch.empty(p.shape, dtype=p.dtype)
         op, bp, vp = out.data_ptr(), p.bits.data_ptr(), p.values.data_ptr()
         _run(lambda a, b, k: lib.zp_expand(bp + a // 8, vp + 4 * k, b - a, op + 4 * a), list(p.offsets))
         return out
+    n = math.prod(p.shape)
     mask = unpack_bits(p.bits, n, (n,))
     out = torch.zeros(n, dtype=p.dtype, device=p.values.device)
     return out.masked_scatter_(mask, p.values).view(p.shape)
