@@ -34,6 +34,7 @@ from torch import nn
 
 import solver
 from monet_opt.bench import interleaved_times, measure_step, training_step, zero_grad
+from monet_opt.malloc import keep_freed_memory
 from monet_opt.pipeline import sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -405,6 +406,7 @@ def markdown(rows: list[Row], args, header: dict) -> str:
         "",
         f"torch {torch.__version__}, {header['threads']} threads on {header['cpu']}; "
         f"load average {header['load_start']} at start, {header['load_end']} at end. "
+        f"Freed memory kept in the process (glibc, monet_opt.malloc): {header['kept_freed_memory']}. "
         "monet-opt budgets are fractions of plain PyTorch's measured peak.",
         "",
         "Step times are medians of the steps; each method's steps alternate with plain PyTorch "
@@ -482,6 +484,11 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed blocks for every method (no fresh pages per step; monet_opt.malloc)",
+    )
+    ap.add_argument(
         "--fresh-profile",
         action="store_true",
         help="measure operator costs again instead of using the profile cache (whose times may "
@@ -521,6 +528,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # silence the CPU profiler's per-call log lines
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = "yes" if args.keep_freed_memory and keep_freed_memory() else "no"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -531,6 +539,7 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(),
         "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
         "load_start": load,
+        "kept_freed_memory": kept,
     }
     t0 = time.perf_counter()
     rows = run(args)

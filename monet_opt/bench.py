@@ -151,6 +151,18 @@ def interleaved_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> 
     return statistics.median(ta), statistics.median(tb)
 
 
+def step_page_faults(model: nn.Module, inputs: tuple) -> int:
+    """Minor page faults of one training step, after an untimed step of the same model."""
+    from monet_opt.malloc import page_faults
+
+    timed_step(model, inputs)
+    before = page_faults()
+    timed_step(model, inputs)
+    faults = page_faults() - before
+    zero_grad(model)
+    return faults
+
+
 def paired_ratio(ta: list, tb: list) -> tuple[float, float, float]:
     """Median and quartiles of tb[i] / ta[i] over the rounds of `interleaved_samples`. On a
     shared CPU the step time drifts by more than a runtime's overhead within a minute (GPT b8
@@ -159,6 +171,55 @@ def paired_ratio(ta: list, tb: list) -> tuple[float, float, float]:
     ratios = sorted(y / x for x, y in zip(ta, tb))
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return q[1], q[0], q[2]
+
+
+@dataclass
+class StepParts:
+    """Seconds of one training step by part: the computes of the forward stage, the
+    recomputations (computes in backward stages), the backward steps (with an optimizer step in
+    the backward, its steps too), and the rest of the step (`other_s`: the loss, the autograd
+    engine, the runtime's own work between nodes; zero in a prediction)."""
+
+    forward_s: float
+    recompute_s: float
+    backward_s: float
+    step_s: float
+
+    @property
+    def other_s(self) -> float:
+        return self.step_s - self.forward_s - self.recompute_s - self.backward_s
+
+
+def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepParts:
+    """Where a `MonetWrapper`'s step time goes: every node timed where it runs
+    (`monet_opt.node_timer`), means per step over `steps` timed steps after an untimed one."""
+    from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, NodeTimer
+
+    cuda = bool(inputs) and isinstance(inputs[0], torch.Tensor) and inputs[0].is_cuda
+    timer = NodeTimer(wrapped.executor, cuda)
+    try:
+        timed_step(wrapped, inputs)
+        timer.recording = True
+        total = sum(timed_step(wrapped, inputs) for _ in range(steps))
+    finally:
+        timer.close()
+        zero_grad(wrapped)
+    return StepParts(
+        timer.total(FORWARD) / steps,
+        timer.total(RECOMPUTE) / steps,
+        timer.total(BACKWARD) / steps,
+        total / steps,
+    )
+
+
+def predicted_parts(problem, schedule: Schedule) -> StepParts:
+    """The simulator's prediction of the same parts (`solver.simulate`)."""
+    from solver.simulate import simulate
+
+    r = simulate(problem, schedule)
+    return StepParts(
+        r.forward_time_s, r.recompute_time_s, r.time_s - r.forward_time_s - r.recompute_time_s, r.time_s
+    )
 
 
 @dataclass
@@ -171,6 +232,9 @@ class BenchResult:
     plain_step_s: float
     wrapped_peak_bytes: int
     wrapped_step_s: float
+    ratio_quartiles: tuple[float, float, float] = (float("nan"),) * 3  # paired wrapped/plain: q1, median, q3
+    plain_page_faults: int = -1  # minor page faults of one step (after a step of the same model)
+    wrapped_page_faults: int = -1
 
     def table(self) -> str:
         rows = [
@@ -180,7 +244,8 @@ class BenchResult:
                 self.wrapped_peak_bytes,
                 self.wrapped_step_s,
                 f"{self.wrapped_peak_bytes / self.plain_peak_bytes:.2f}x mem, "
-                f"{self.wrapped_step_s / self.plain_step_s - 1:+.1%} time",
+                f"{self.ratio_quartiles[1] - 1:+.1%} time (paired; quartiles "
+                f"{self.ratio_quartiles[0] - 1:+.1%} .. {self.ratio_quartiles[2] - 1:+.1%})",
             ),
             ("monet-opt (predicted)", self.predicted_peak_bytes, self.predicted_time_s, ""),
         ]
@@ -197,6 +262,10 @@ class BenchResult:
         out.append(
             f"measured peak is {within} the budget; measured/predicted = "
             f"{self.wrapped_peak_bytes / max(1, self.predicted_peak_bytes):.3f}"
+        )
+        out.append(
+            f"page faults per step: plain {self.plain_page_faults}, monet-opt {self.wrapped_page_faults} "
+            "(CPU: fresh pages the kernel zeroes; see monet_opt.malloc)"
         )
         return "\n".join(out)
 
@@ -243,14 +312,18 @@ def bench_model(
         model = copy.deepcopy(model)
     wrapped = MonetWrapper(model, schedule, example_inputs=inputs, optimizer=optimizer)
     peak = measure_step_peak(wrapped, inputs)
-    plain_t, t = interleaved_times(plain, wrapped, inputs, steps)
+    plain_ts, ts = interleaved_samples(plain, wrapped, inputs, steps)
+    med, q1, q3 = paired_ratio(plain_ts, ts)
     return BenchResult(
         name,
         schedule.budget_bytes,
         schedule.predicted_peak_bytes,
         schedule.predicted_time_s,
         plain_peak,
-        plain_t,
+        statistics.median(plain_ts),
         peak,
-        t,
+        statistics.median(ts),
+        ratio_quartiles=(q1, med, q3),
+        plain_page_faults=step_page_faults(plain, inputs),
+        wrapped_page_faults=step_page_faults(wrapped, inputs),
     )

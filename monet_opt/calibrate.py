@@ -22,14 +22,12 @@ gradients and the RNG state are restored afterwards.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
 
+from monet_opt.node_timer import BACKWARD, FORWARD, NodeTimer
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
 from solver.problem import Problem
 
@@ -56,47 +54,19 @@ class _StepTimer:
         self.wrapped = MonetWrapper(model, schedule, example_inputs=example_inputs)
         ex = self.wrapped.executor
         ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
-        self.fwd: dict[str, list[float]] = defaultdict(list)
-        self.bwd: dict[str, list[float]] = defaultdict(list)
-        self.recording = False
-        compute, backward = ex.compute, ex.backward
         cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-
-        def sync() -> None:
-            if cuda:
-                torch.cuda.synchronize()
-
-        def timed_compute(run, name, impl, grad, recompute, *rest):
-            sync()
-            t0 = time.perf_counter()
-            compute(run, name, impl, grad, recompute, *rest)
-            sync()
-            if self.recording:
-                self.fwd[name].append(time.perf_counter() - t0)
-
-        def timed_backward(run, name):
-            sync()
-            t0 = time.perf_counter()
-            backward(run, name)
-            sync()
-            if self.recording:
-                self.bwd[name].append(time.perf_counter() - t0)
-
-        ex.compute, ex.backward = timed_compute, timed_backward
+        self.timer = NodeTimer(ex, cuda)
 
     def step(self, record: bool) -> None:
         from monet_opt.bench import training_step
 
-        self.recording = record
+        self.timer.recording = record
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         training_step(self.wrapped, self.inputs)
 
     def medians(self) -> tuple[dict, dict]:
-        return (
-            {n: statistics.median(v) for n, v in self.fwd.items()},
-            {n: statistics.median(v) for n, v in self.bwd.items()},
-        )
+        return self.timer.medians(FORWARD), self.timer.medians(BACKWARD)
 
 
 def in_situ_times(

@@ -236,6 +236,11 @@ def cmd_bench(args) -> int:
     from solver.schedule import Schedule
 
     s = Schedule.from_json(args.file)
+    if args.keep_freed_memory:
+        from monet_opt.malloc import keep_freed_memory
+
+        if not keep_freed_memory():
+            print("--keep-freed-memory: not glibc, nothing changed", file=sys.stderr)
     res = bench_schedule(s, steps=args.steps)
     print(res.table())
     return 0
@@ -308,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("file")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed blocks, no fresh pages per step (as a GPU's caching allocator; monet_opt.malloc)",
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile", help="profile a model: per-node table of implementations and costs")

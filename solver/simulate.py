@@ -86,7 +86,8 @@ class SimResult:
     time_s: float
     stage_peaks: list[int] = field(default_factory=list)
     timeline: list[tuple[str, int, int]] = field(default_factory=list)  # (stage, step index, live bytes)
-    recompute_time_s: float = 0.0
+    recompute_time_s: float = 0.0  # compute steps in the backward stages
+    forward_time_s: float = 0.0  # compute steps in the forward stage (the rest of time_s: backward steps)
 
 
 def simulate(problem: Problem, schedule: Schedule, check_fingerprint: bool = True) -> SimResult:
@@ -146,6 +147,7 @@ class _Replay:
             raise ScheduleInvalid("the first stage must be 'forward'")
         time = 0.0
         recompute = 0.0
+        forward = 0.0
         stage_peaks: list[int] = []
         computed: set[str] = set()
         timeline: list[tuple[str, int, int]] = []
@@ -171,6 +173,8 @@ class _Replay:
                     time += t
                     if s_idx > 0:
                         recompute += t
+                    else:
+                        forward += t
                 elif step.op == "backward":
                     time += self._backward(node, where)
                 elif step.op == "free_value":
@@ -192,7 +196,7 @@ class _Replay:
         missing = [n.name for n in self.p.nodes if n.requires_backward and n.name not in self.backed]
         if missing:
             raise ScheduleInvalid(f"nodes never run backward: {', '.join(missing[:8])}")
-        return SimResult(self.peak, time, stage_peaks, timeline, recompute)
+        return SimResult(self.peak, time, stage_peaks, timeline, recompute, forward)
 
     def _end_forward(self) -> None:
         for n in self.p.nodes:

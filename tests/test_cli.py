@@ -35,7 +35,7 @@ def test_solve_inspect_bench(tmp_path, capsys):
 
     assert main(["bench", str(path), "--steps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "plain PyTorch" in out and "monet-opt (measured)" in out
+    assert "plain PyTorch" in out and "monet-opt (measured)" in out and "page faults per step" in out
 
 
 def test_sweep_writes_schedules_and_summary(tmp_path, capsys):

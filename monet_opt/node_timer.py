@@ -1,0 +1,83 @@
+"""Time every node's forward, recomputation and backward where it runs: inside real training
+steps of a `MonetWrapper`.
+
+Used by the calibration (`monet_opt.calibrate`: in-step times replace isolated ones) and by the
+step breakdown (`monet_opt.bench.measure_parts`: where a step's time goes, beside the
+simulator's prediction of the same parts).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+
+class NodeTimer:
+    """Wraps an executor's `compute` and `backward` with wall-clock timers (CUDA synchronised
+    around each call). While `recording`, `times[(kind, node)]` collects seconds per call; kind
+    is FORWARD (a compute in the forward stage), RECOMPUTE (a compute in a backward stage) or
+    BACKWARD. A group of nodes sharing one autograd graph (`runtime/groups.py`) computes in one
+    generated function and runs its backward at its first member: both times are that member's
+    (`executor.separate_graphs()` gives each node its own). `close()` puts the executor's own
+    methods back."""
+
+    def __init__(self, executor, cuda: bool) -> None:
+        self.executor = executor
+        self.times: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self.recording = False
+        compute, backward = executor.compute, executor.backward
+        run_stage, run_segment = executor._run_stage, executor._run_segment
+        in_backward_stage = [False]
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+
+        def timed_compute(run, name, impl, grad, recompute, *rest):
+            sync()
+            t0 = time.perf_counter()
+            compute(run, name, impl, grad, recompute, *rest)
+            sync()
+            if self.recording:
+                self.times[(RECOMPUTE if recompute else FORWARD, name)].append(time.perf_counter() - t0)
+
+        def timed_backward(run, name):
+            sync()
+            t0 = time.perf_counter()
+            backward(run, name)
+            sync()
+            if self.recording:
+                self.times[(BACKWARD, name)].append(time.perf_counter() - t0)
+
+        def tracked_stage(run, si, recompute):
+            in_backward_stage[0] = recompute
+            run_stage(run, si, recompute)
+
+        def timed_segment(run, segment, group):
+            sync()
+            t0 = time.perf_counter()
+            run_segment(run, segment, group)
+            sync()
+            if self.recording:
+                kind = RECOMPUTE if in_backward_stage[0] else FORWARD
+                self.times[(kind, group.members[0])].append(time.perf_counter() - t0)
+
+        executor.compute, executor.backward = timed_compute, timed_backward
+        executor._run_stage, executor._run_segment = tracked_stage, timed_segment
+
+    def medians(self, kind: str) -> dict[str, float]:
+        """{node: median seconds of one call} over the recorded calls of that kind."""
+        return {name: statistics.median(v) for (k, name), v in self.times.items() if k == kind}
+
+    def total(self, kind: str) -> float:
+        """Seconds of every recorded call of that kind, summed."""
+        return sum(sum(v) for (k, _), v in self.times.items() if k == kind)
+
+    def close(self) -> None:
+        for attr in ("compute", "backward", "_run_stage", "_run_segment"):
+            self.executor.__dict__.pop(attr, None)
