@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -33,9 +34,9 @@ import torch
 from torch import nn
 
 import solver
-from monet_opt.bench import interleaved_times, measure_step, training_step, zero_grad
+from monet_opt.bench import interleaved_samples, measure_step, paired_ratio, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
-from monet_opt.pipeline import sweep_model
+from monet_opt.pipeline import refine_schedule, sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from monet_opt.step_in_backward import OPTIMIZERS, fuse_into_backward, optimizer_factory
@@ -60,6 +61,7 @@ class Row:
     mem_ratio: float | None = field(default=None)
     overhead: float | None = field(default=None)
     label: str = ""
+    ratio_q: list | None = None  # (q1, median, q3) of the paired ratios step / plain step
 
 
 # -- torch.utils.checkpoint ------------------------------------------------------------
@@ -122,23 +124,29 @@ def check_same_function(model: nn.Module, other: nn.Module, inputs: tuple) -> No
 
 # -- timing ------------------------------------------------------------------------------
 def paired_step_times(
-    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int
+    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int, quartiles: list | None = None
 ) -> tuple[float, float]:
     """(median step s of `model`, median step s of `plain_model`), timed alternately.
 
-    Steps of the two run in turn (plain, model, plain, model, ...), so a change in the
-    machine's load during the measurement hits both alike; both are assumed warm.
+    Steps of the two run in turn (`monet_opt.bench.interleaved_samples`), so a change in the
+    machine's load during the measurement hits both alike; both are assumed warm. `quartiles`, if
+    a list, receives (q1, median, q3) of the rounds' paired ratios model/plain (`paired_ratio`):
+    the overhead the tables report, steadier than the ratio of the two medians.
     """
-    plain_s, step_s = interleaved_times(plain_model, model, inputs, steps)
-    return step_s, plain_s
+    plain_ts, ts = interleaved_samples(plain_model, model, inputs, steps)
+    if quartiles is not None:
+        med, q1, q3 = paired_ratio(plain_ts, ts)
+        quartiles[:] = [q1, med, q3]
+    return statistics.median(ts), statistics.median(plain_ts)
 
 
 def measure_paired(
-    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int
+    plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int, quartiles: list | None = None
 ) -> tuple[int, float, float]:
-    """(peak bytes of one step of `model`, its median step s, plain's median step s, interleaved)."""
+    """(peak bytes of one step of `model`, its median step s, plain's median step s, interleaved);
+    `quartiles` as in `paired_step_times`."""
     peak, _ = measure_step(model, inputs, 1)  # warm-up + measured peak
-    step_s, plain_s = paired_step_times(plain_model, model, inputs, steps)
+    step_s, plain_s = paired_step_times(plain_model, model, inputs, steps, quartiles)
     return peak, step_s, plain_s
 
 
@@ -173,7 +181,8 @@ def unsolved_row(method: str, label: str, exc: Exception, time_limit: float) -> 
 
 
 def solved_row(method: str, label: str, sched, budget_bytes: int, note: str, measure) -> Row:
-    """The row of a solved budget: predictions, then `measure()` -> (peak, step s, plain step s)."""
+    """The row of a solved budget: predictions, then `measure(quartiles)` -> (peak, step s, plain step s),
+    filling `quartiles` with the paired ratios' (q1, median, q3)."""
     row = Row(
         method,
         label,
@@ -185,7 +194,8 @@ def solved_row(method: str, label: str, sched, budget_bytes: int, note: str, mea
         note=note,
     )
     try:
-        row.peak_bytes, row.step_s, row.plain_step_s = measure()
+        row.ratio_q = []
+        row.peak_bytes, row.step_s, row.plain_step_s = measure(row.ratio_q)
         if row.peak_bytes > budget_bytes:
             row.note += "; MEASURED OVER BUDGET"
     except Exception as exc:
@@ -193,6 +203,36 @@ def solved_row(method: str, label: str, sched, budget_bytes: int, note: str, mea
         row.status += "; run failed"
         row.note += "; " + short_error(exc)
     return row
+
+
+def refined(
+    args,
+    model: nn.Module,
+    inputs: tuple,
+    problem,
+    solved: list,
+    fractions: list,
+    tag: str,
+    say,
+    optimizer=None,
+):
+    """With --refine R: each solved schedule run, its problem's times corrected by what its nodes
+    took there, and solved again from it, R times (`monet_opt.pipeline.refine_schedule`); each
+    corrected problem is kept beside the schedules."""
+    if not args.refine:
+        return solved
+    out = []
+    for f, sched in zip(fractions, solved):
+        if isinstance(sched, Exception):
+            out.append(sched)
+            continue
+        say(f"{tag}: refining budget {f:g} ({args.refine} round(s))")
+        prob_f, sched = refine_schedule(
+            model, inputs, problem, sched, args.refine, args.time_limit, args.verbose, optimizer
+        )
+        prob_f.to_json(Path(args.out) / "schedules" / f"{args.model}_{tag}_{f:g}_refined_problem.json")
+        out.append(sched)
+    return out
 
 
 # -- the optimizer step in the backward ---------------------------------------------------
@@ -206,7 +246,8 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
     fused = copy.deepcopy(model)
     fuse_into_backward(fused, factory)
     say(f"plain PyTorch, {name} step in the backward")
-    peak, t, tp = measure_paired(model, fused, inputs, args.steps)
+    q: list = []
+    peak, t, tp = measure_paired(model, fused, inputs, args.steps, q)
     rows = [
         Row(
             f"plain + {name} step in backward",
@@ -214,6 +255,7 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
             peak,
             t,
             plain_step_s=tp,
+            ratio_q=q,
             note="register_post_accumulate_grad_hook; its time includes the optimizer step",
         )
     ]
@@ -232,6 +274,7 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
     solved = sweep_model(
         problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
     )
+    solved = refined(args, model, inputs, problem, solved, args.budgets, name, say, optimizer=name)
     for f, sched in zip(args.budgets, solved):
         budget_bytes = int(f * plain_peak)
         label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
@@ -242,9 +285,9 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
         sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_{f:g}.json")
         say(f"monet-opt, step in the backward: budget {label}")
 
-        def measure(sched=sched):
+        def measure(quartiles, sched=sched):
             wrapped = MonetWrapper(copy.deepcopy(model), sched, example_inputs=inputs, optimizer=name)
-            return measure_paired(fused, wrapped, inputs, args.steps)
+            return measure_paired(fused, wrapped, inputs, args.steps, quartiles)
 
         note = f"{len(sched.recomputed())} nodes recomputed; overhead vs the fused plain step"
         rows.append(solved_row(method, label, sched, budget_bytes, note, measure))
@@ -295,7 +338,8 @@ def run(args) -> list[Row]:
             raise RuntimeError(f"no sequential form known for {type(model).__name__}")
         check_same_function(model, seq, inputs)
         ck = SqrtCheckpoint(seq)
-        peak, t, tp = measure_paired(model, ck, inputs, args.steps)
+        q = []
+        peak, t, tp = measure_paired(model, ck, inputs, args.steps, q)
         rows.append(
             Row(
                 "checkpoint_sequential",
@@ -303,6 +347,7 @@ def run(args) -> list[Row]:
                 peak,
                 t,
                 plain_step_s=tp,
+                ratio_q=q,
                 note=f"{ck.segments} segments over {len(seq)} modules, use_reentrant=False",
             )
         )
@@ -333,6 +378,7 @@ def run(args) -> list[Row]:
     solved = sweep_model(
         problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
     )
+    solved = refined(args, model, inputs, problem, solved, args.budgets, "kept", say)
     for f, sched in zip(args.budgets, solved):
         budget_bytes = int(f * plain_peak)
         label = f"{f:g} ({budget_bytes / MiB:.0f} MiB)"
@@ -346,9 +392,9 @@ def run(args) -> list[Row]:
         default = {n.name: n.impls[0].name for n in problem.nodes}
         n_impl = sum(1 for k, v in sched.impl_choice().items() if v != default.get(k))
 
-        def measure(sched=sched):
+        def measure(quartiles, sched=sched):
             wrapped = MonetWrapper(model, sched, example_inputs=inputs)
-            return measure_paired(model, wrapped, inputs, args.steps)
+            return measure_paired(model, wrapped, inputs, args.steps, quartiles)
 
         note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
         row = solved_row("monet-opt", label, sched, budget_bytes, note, measure)
@@ -390,7 +436,9 @@ def run(args) -> list[Row]:
     for r in rows:
         if r.peak_bytes is not None:
             r.mem_ratio = r.peak_bytes / plain_peak
-        if r.step_s is not None:
+        if r.ratio_q:
+            r.overhead = r.ratio_q[1] - 1.0
+        elif r.step_s is not None:
             r.overhead = r.step_s / (r.plain_step_s or plain_t) - 1.0
         r.label = r.budget.split(" ")[0].replace("amb=", "") if r.budget not in ("—",) else ""
         if r.method.startswith("checkpoint"):
@@ -410,7 +458,9 @@ def markdown(rows: list[Row], args, header: dict) -> str:
         "monet-opt budgets are fractions of plain PyTorch's measured peak.",
         "",
         "Step times are medians of the steps; each method's steps alternate with plain PyTorch "
-        "steps and its overhead is relative to those interleaved plain steps (column 'plain ms').",
+        "steps (column 'plain ms': their median). Overhead: the median of the rounds' paired ratios "
+        "(method step / plain step of the same round), their quartiles in brackets; torch.compile "
+        "rows: the ratio of the two medians.",
         "",
         "| method | budget | measured peak MiB | peak/plain | step ms | plain ms | overhead vs plain | "
         "predicted peak MiB | predicted step ms | solver status / gap | solve s | notes |",
@@ -419,6 +469,8 @@ def markdown(rows: list[Row], args, header: dict) -> str:
     for r in rows:
         ratio = "—" if r.mem_ratio is None else f"{r.mem_ratio:.2f}"
         over = "—" if r.overhead is None else f"{r.overhead:+.0%}"
+        if r.ratio_q:
+            over += f" ({r.ratio_q[0] - 1:+.0%}..{r.ratio_q[2] - 1:+.0%})"
         status = r.status or ""
         if r.gap is not None:
             status += f" / gap {r.gap:.1%}"
@@ -483,6 +535,13 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (median)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument(
+        "--refine",
+        type=int,
+        default=0,
+        help="rounds of: run each schedule, correct its problem's costs by what its nodes took there, solve "
+        "again (one --time-limit each; monet_opt.pipeline.refine_schedule)",
+    )
     ap.add_argument(
         "--keep-freed-memory",
         action="store_true",

@@ -134,9 +134,18 @@ def cmd_solve(args) -> int:
     spec, model, inputs, problem = _problem(args)
     if args.problem_out:
         problem.to_json(args.problem_out)
-    _, schedule = solve_model(
-        model, inputs, budget, time_limit=args.time_limit, verbose=True, problem=problem
+    problem, schedule = solve_model(
+        model,
+        inputs,
+        budget,
+        time_limit=args.time_limit,
+        verbose=True,
+        problem=problem,
+        optimizer=getattr(args, "step_in_backward", None),
+        refine=args.refine,
     )
+    if args.problem_out and args.refine:
+        problem.to_json(args.problem_out)  # the corrected costs the schedule was solved on
     print(_summary(problem, schedule))
     if args.output:
         schedule.to_json(args.output)
@@ -295,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--problem-out", help="also write the profiled problem JSON here")
+    p.add_argument(
+        "--refine",
+        type=int,
+        default=0,
+        help="rounds of: run the schedule, correct the costs by what its nodes took there, solve again "
+        "(each round one --time-limit; --problem-out then holds the last corrected problem)",
+    )
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("sweep", help="solve for several budgets; write schedules and summary.csv")

@@ -10,6 +10,7 @@ from torch import nn
 
 import solver
 from monet_opt.profile import build_problem
+from solver.baselines import plan_of
 from solver.problem import Problem
 from solver.schedule import Schedule
 
@@ -63,10 +64,14 @@ def solve_model(
     meta: dict | None = None,
     optimizer: Any = None,
     zero_pack: bool = False,
+    refine: int = 0,
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
     step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`).
-    zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`)."""
+    zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`).
+    refine: that many rounds of running the schedule found, correcting the problem's times by
+    what its nodes took there (`monet_opt.calibrate.calibrate_on_schedule`) and solving again from
+    it (`time_limit` each); the problem returned is the last corrected one."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     problem = problem or build_problem(
@@ -77,7 +82,37 @@ def solve_model(
         schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
     else:
         schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
+    if refine:
+        problem, schedule = refine_schedule(
+            model, example_inputs, problem, schedule, refine, time_limit, verbose, optimizer
+        )
     return problem, _with_problem_meta(problem, schedule)
+
+
+def refine_schedule(
+    model: nn.Module,
+    example_inputs: tuple,
+    problem: Problem,
+    schedule: Schedule,
+    rounds: int = 1,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    optimizer: Any = None,
+) -> tuple[Problem, Schedule]:
+    """`rounds` times: run `schedule`, correct the problem's times by what its nodes took there
+    (`monet_opt.calibrate.calibrate_on_schedule`), and solve the corrected problem again for the
+    same budget, started from `schedule` (it fits: memory is unchanged), so never slower than it
+    on the corrected costs. Returns the last corrected problem and its schedule."""
+    from monet_opt.calibrate import calibrate_on_schedule
+
+    budget = schedule.budget_bytes or schedule.predicted_peak_bytes
+    for k in range(rounds):
+        if verbose:
+            print(f"refine {k + 1}/{rounds}: timing the schedule's nodes in its own steps", flush=True)
+        problem = calibrate_on_schedule(model, example_inputs, problem, schedule, optimizer=optimizer)
+        start = plan_of(problem, schedule)
+        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose, start_plan=start)
+    return problem, schedule
 
 
 def sweep_model(

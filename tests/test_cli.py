@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+import solver
 from monet_opt.cli import main
+from solver.problem import Problem
 from solver.schedule import Schedule
 
 SMALL = ["resnet18", "--batch", "2", "--image", "32", "--time-limit", "5"]
@@ -99,3 +101,14 @@ def test_zero_pack_is_offered_only_when_asked_and_its_schedule_runs(tmp_path, ca
     assert schedule.predicted_peak_bytes <= schedule.budget_bytes
     assert main(["bench", str(path), "--steps", "1"]) == 0
     assert "monet-opt (measured)" in capsys.readouterr().out
+
+
+def test_solve_refine_writes_the_corrected_problem(tmp_path, capsys):
+    sched_path, prob_path = tmp_path / "r18.json", tmp_path / "r18_problem.json"
+    args = ["solve", *SMALL, "--budget", "0.98", "--step-in-backward", "adam", "--refine", "1"]
+    assert main([*args, "-o", str(sched_path), "--problem-out", str(prob_path)]) == 0
+    assert "refine 1/1" in capsys.readouterr().out
+    problem, schedule = Problem.from_json(prob_path), Schedule.from_json(sched_path)
+    assert len(problem.meta["schedule_calibration"]) == 1
+    sim = solver.simulate(problem, schedule)
+    assert sim.peak_bytes <= schedule.budget_bytes and sim.time_s == pytest.approx(schedule.predicted_time_s)

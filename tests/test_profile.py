@@ -182,3 +182,63 @@ def test_times_measured_on_a_busy_cpu_are_measured_again_when_quiet(monkeypatch,
     assert quiet.meta["profile_cache_hits"] == 0
     assert quiet.meta["profile_busy_measurements"] == 0
     assert build().meta["profile_cache_hits"] == measured  # and the fresh ones are trusted
+
+
+def test_schedule_calibration_times_what_the_schedule_runs_and_leaves_the_model(built):
+    """Corrected from a recomputing schedule's own steps: every recomputed node's implementation
+    takes its measured recompute time, every node gets a recompute time, the forward
+    implementation run takes its measured forward time, memory fields and the fingerprint stay;
+    the model's buffers, gradients, weights and the RNG are as before."""
+    from monet_opt.calibrate import calibrate_on_schedule
+
+    _, model, x, problem = built
+    schedule = solver.baselines.chen_sqrt(problem)
+    recomputed = schedule.recomputed()
+    assert recomputed
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    rng = torch.get_rng_state()
+    cal = calibrate_on_schedule(model, (x,), problem, schedule, steps=2)
+    assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
+    assert all(torch.equal(weights[k], p) and p.grad is None for k, p in model.named_parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert cal.fingerprint == problem.fingerprint
+    first = {s.node: s.impl for s in schedule.stages[0].steps if s.op == "compute"}
+    again = {s.node: s.impl for st in schedule.stages[1:] for s in st.steps if s.op == "compute"}
+    moved_fwd = moved_rec = 0
+    for a, b in zip(problem.nodes, cal.nodes):
+        for i0, i1 in zip(a.impls, b.impls):
+            assert (i0.state_bytes, i0.fwd_workspace, i0.bwd_workspace) == (
+                i1.state_bytes,
+                i1.fwd_workspace,
+                i1.bwd_workspace,
+            )
+            assert i1.fwd_time >= 0 and i1.bwd_time >= 0 and i1.recompute_time is not None
+            if i1.name == first.get(a.name) and i0.fwd_time > 0:
+                moved_fwd += i1.fwd_time != i0.fwd_time
+            if i1.name == again.get(a.name):
+                before = i0.fwd_time if i0.recompute_time is None else i0.recompute_time
+                moved_rec += i1.recompute_time != before
+    assert moved_fwd > len(first) // 2
+    assert moved_rec > len(again) // 2
+    (info,) = cal.meta["schedule_calibration"]
+    assert info["recompute_s"] > 0 and info["forward_s"] > 0 and info["backward_s"] > 0
+    # the simulator replays the same schedule on the corrected problem: memory unchanged
+    assert solver.simulate(cal, schedule).peak_bytes == solver.simulate(problem, schedule).peak_bytes
+
+
+def test_solve_model_refine_resolves_on_the_corrected_problem():
+    from monet_opt.pipeline import solve_model
+
+    torch.manual_seed(0)
+    model, x = models.narrow_resnet(batch=4, size=32)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    budget = int(0.6 * solver.simulate(problem, solver.baselines.no_recompute(problem)).peak_bytes)
+    refined, schedule = solve_model(
+        model, (x,), budget, time_limit=10, verbose=False, problem=problem, refine=1
+    )
+    assert len(refined.meta["schedule_calibration"]) == 1
+    assert refined.fingerprint == problem.fingerprint
+    sim = solver.simulate(refined, schedule)
+    assert sim.peak_bytes <= budget and sim.time_s == pytest.approx(schedule.predicted_time_s)
