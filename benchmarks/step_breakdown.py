@@ -21,7 +21,7 @@ Reported, in one run:
 Predicted backward times leave out an optimizer step in the backward (the same for every
 schedule of a problem); measured ones include it.
 
-Writes DIR/step_breakdown_<schedule name>.md (DIR: --out).
+Writes DIR/step_breakdown_<schedule name>.md and .png (stacked bars of the parts; DIR: --out).
 """
 
 from __future__ import annotations
@@ -55,6 +55,23 @@ def parts_rows(label: str, measured, predicted) -> list[str]:
     return rows
 
 
+def plot(bars: list, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from monet_opt import plots
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    plots.step_parts(bars, ax=ax, title=title)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("schedule")
@@ -80,12 +97,12 @@ def main(argv=None) -> int:
     print(f"{spec.describe()}: {args.rounds} paired rounds", file=sys.stderr, flush=True)
     res = bench_model(model, inputs, schedule, steps=args.rounds, name=spec.describe())
     print("breakdown", file=sys.stderr, flush=True)
-    lines = []
+    lines, bars = [], []
     for label, sched in (("schedule", schedule), ("no recomputation", baselines.no_recompute(problem))):
         wrapped = MonetWrapper(copy.deepcopy(model), sched, example_inputs=inputs, optimizer=optimizer)
-        lines += parts_rows(
-            label, measure_parts(wrapped, inputs, args.part_steps), predicted_parts(problem, sched)
-        )
+        measured, predicted = measure_parts(wrapped, inputs, args.part_steps), predicted_parts(problem, sched)
+        lines += parts_rows(label, measured, predicted)
+        bars += [(f"{label}\nmeasured", measured), (f"{label}\npredicted", predicted)]
         del wrapped
 
     q1, med, q3 = res.ratio_quartiles
@@ -122,7 +139,12 @@ def main(argv=None) -> int:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-    print(f"wrote {path}", file=sys.stderr)
+    plot(
+        bars,
+        f"{spec.describe()}, {Path(args.schedule).name}: overhead {med - 1:+.1%}",
+        path.with_suffix(".png"),
+    )
+    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
     return 0
 
 

@@ -361,3 +361,36 @@ def solve_stats(
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+PARTS = ("forward", "recompute", "backward", "other")
+_PART_COLORS = {"forward": "tab:blue", "recompute": "tab:red", "backward": "tab:green", "other": "0.6"}
+
+
+def step_parts(bars: Sequence[tuple[str, Any]], ax=None, title: str | None = None):
+    """Stacked bars of a step's parts in ms, one bar per (label, parts); parts are
+    `monet_opt.bench.StepParts` or mappings with forward_s, recompute_s, backward_s, step_s
+    (e.g. measured beside predicted, for a schedule and the no-recompute schedule)."""
+    ax = _axes(ax)
+    xs = range(len(bars))
+    bottoms = [0.0] * len(bars)
+    for part in PARTS:
+        if part == "other":
+            vals = [
+                1e3 * max(0.0, _get(p, "step_s", 0.0) - sum(_get(p, f"{q}_s", 0.0) for q in PARTS[:3]))
+                for _, p in bars
+            ]
+        else:
+            vals = [1e3 * _get(p, f"{part}_s", 0.0) for _, p in bars]
+        ax.bar(xs, vals, bottom=bottoms, color=_PART_COLORS[part], label=part, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    for x, total in zip(xs, bottoms):
+        ax.text(x, total, f"{total:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

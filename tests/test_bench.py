@@ -121,3 +121,56 @@ def test_keep_freed_memory_stops_the_kernel_handing_out_fresh_pages():
     default, kept = faults("default"), faults("keep")
     assert default > 0.9 * sum((20 + i) * 256 for i in range(3, 8))  # every page of rounds 3-7
     assert kept < default / 4
+
+
+def test_step_parts_plot_stacks_each_part():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from monet_opt import plots
+    from monet_opt.bench import StepParts
+
+    bars = [
+        ("measured", StepParts(0.1, 0.05, 0.2, 0.4)),
+        ("predicted", {"forward_s": 0.1, "recompute_s": 0.0, "backward_s": 0.2, "step_s": 0.3}),
+    ]
+    ax = plots.step_parts(bars)
+    # bars drawn part by part (forward, recompute, backward, other), each for both labels
+    assert [p.get_height() for p in ax.patches] == pytest.approx([100, 100, 50, 0, 200, 200, 50, 0])
+    plt.close("all")
+
+
+def test_step_breakdown_script_runs_on_a_solved_schedule(tmp_path):
+    """benchmarks/step_breakdown.py end to end on a small solved schedule: table and plot."""
+    import runpy
+    from pathlib import Path
+
+    from monet_opt.cli import main
+
+    sched, prob = tmp_path / "s.json", tmp_path / "p.json"
+    small = ["resnet18", "--batch", "2", "--image", "32", "--time-limit", "5", "--step-in-backward", "adam"]
+    assert main(["solve", *small, "--budget", "0.98", "-o", str(sched), "--problem-out", str(prob)]) == 0
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "step_breakdown.py"
+    argv = sys.argv
+    sys.argv = [
+        str(script),
+        str(sched),
+        str(prob),
+        "--rounds",
+        "2",
+        "--part-steps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert done.value.code == 0
+    text = (tmp_path / "step_breakdown_s.md").read_text()
+    assert "Overhead, paired over 2 rounds" in text and "| schedule | recompute |" in text
+    assert (tmp_path / "step_breakdown_s.png").stat().st_size > 0
