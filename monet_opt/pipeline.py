@@ -102,7 +102,8 @@ def refine_schedule(
     """`rounds` times: run `schedule`, correct the problem's times by what its nodes took there
     (`monet_opt.calibrate.calibrate_on_schedule`), and solve the corrected problem again for the
     same budget, started from `schedule` (it fits: memory is unchanged), so never slower than it
-    on the corrected costs. Returns the last corrected problem and its schedule."""
+    on the corrected costs. Returns the last corrected problem and its schedule (with the problem's
+    metadata, as `solve_model`'s: `monet-opt bench FILE` reads the model from it)."""
     from monet_opt.calibrate import calibrate_on_schedule
 
     budget = schedule.budget_bytes or schedule.predicted_peak_bytes
@@ -112,7 +113,7 @@ def refine_schedule(
         problem = calibrate_on_schedule(model, example_inputs, problem, schedule, optimizer=optimizer)
         start = plan_of(problem, schedule)
         schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose, start_plan=start)
-    return problem, schedule
+    return problem, _with_problem_meta(problem, schedule)
 
 
 def sweep_model(

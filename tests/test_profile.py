@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -228,7 +229,7 @@ def test_schedule_calibration_times_what_the_schedule_runs_and_leaves_the_model(
 
 
 def test_solve_model_refine_resolves_on_the_corrected_problem():
-    from monet_opt.pipeline import solve_model
+    from monet_opt.pipeline import refine_schedule, solve_model
 
     torch.manual_seed(0)
     model, x = models.narrow_resnet(batch=4, size=32)
@@ -239,6 +240,11 @@ def test_solve_model_refine_resolves_on_the_corrected_problem():
         model, (x,), budget, time_limit=10, verbose=False, problem=problem, refine=1
     )
     assert len(refined.meta["schedule_calibration"]) == 1
+    # refine_schedule alone keeps the problem's metadata on its schedule (bench reads the model there)
+    tagged = dataclasses.replace(problem, meta={**problem.meta, "model": "narrow"})
+    first = solver.solve(tagged, budget, time_limit=5, verbose=False)
+    _, again = refine_schedule(model, (x,), tagged, first, rounds=1, time_limit=5, verbose=False)
+    assert again.meta["model"] == "narrow" and again.meta["budget_fraction"] > 0
     assert refined.fingerprint == problem.fingerprint
     sim = solver.simulate(refined, schedule)
     assert sim.peak_bytes <= budget and sim.time_s == pytest.approx(schedule.predicted_time_s)
