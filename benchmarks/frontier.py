@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 import solver
-from monet_opt.bench import interleaved_samples, measure_step, paired_ratio, training_step, zero_grad
+from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
 from monet_opt.pipeline import refine_schedule, sweep_model
 from monet_opt.profile import build_problem
@@ -128,16 +127,15 @@ def paired_step_times(
 ) -> tuple[float, float]:
     """(median step s of `model`, median step s of `plain_model`), timed alternately.
 
-    Steps of the two run in turn (`monet_opt.bench.interleaved_samples`), so a change in the
+    Steps of the two run in turn (`monet_opt.bench.paired_times`), so a change in the
     machine's load during the measurement hits both alike; both are assumed warm. `quartiles`, if
-    a list, receives (q1, median, q3) of the rounds' paired ratios model/plain (`paired_ratio`):
+    a list, receives (q1, median, q3) of the rounds' paired ratios model/plain:
     the overhead the tables report, steadier than the ratio of the two medians.
     """
-    plain_ts, ts = interleaved_samples(plain_model, model, inputs, steps)
+    plain_s, step_s, q = paired_times(plain_model, model, inputs, steps)
     if quartiles is not None:
-        med, q1, q3 = paired_ratio(plain_ts, ts)
-        quartiles[:] = [q1, med, q3]
-    return statistics.median(ts), statistics.median(plain_ts)
+        quartiles[:] = q
+    return step_s, plain_s
 
 
 def measure_paired(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from monet_opt.memory import measure_peak
+from monet_opt.node_timer import on_cuda
 from solver.schedule import Schedule
 
 MiB = 2**20
@@ -112,7 +113,7 @@ def measure_stage_peaks(
 def timed_step(model: nn.Module, inputs: tuple) -> float:
     """Seconds of one training step (gradients zeroed first, CUDA synchronised)."""
     zero_grad(model)
-    cuda = bool(inputs) and isinstance(inputs[0], torch.Tensor) and inputs[0].is_cuda
+    cuda = on_cuda(inputs)
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -147,8 +148,15 @@ def interleaved_samples(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -
 
 def interleaved_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[float, float]:
     """Median step seconds of `a` and `b` (`interleaved_samples`)."""
+    return paired_times(a, b, inputs, steps)[:2]
+
+
+def paired_times(a: nn.Module, b: nn.Module, inputs: tuple, steps: int) -> tuple[float, float, tuple]:
+    """Median step seconds of `a` and `b` (`interleaved_samples`) and (q1, median, q3) of the
+    rounds' paired ratios b / a (`paired_ratio`)."""
     ta, tb = interleaved_samples(a, b, inputs, steps)
-    return statistics.median(ta), statistics.median(tb)
+    med, q1, q3 = paired_ratio(ta, tb)
+    return statistics.median(ta), statistics.median(tb), (q1, med, q3)
 
 
 def step_page_faults(model: nn.Module, inputs: tuple) -> int:
@@ -195,8 +203,7 @@ def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepPart
     (`monet_opt.node_timer`), means per step over `steps` timed steps after an untimed one."""
     from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, NodeTimer
 
-    cuda = bool(inputs) and isinstance(inputs[0], torch.Tensor) and inputs[0].is_cuda
-    timer = NodeTimer(wrapped.executor, cuda)
+    timer = NodeTimer(wrapped.executor, inputs)
     try:
         timed_step(wrapped, inputs)
         timer.recording = True
@@ -232,9 +239,9 @@ class BenchResult:
     plain_step_s: float
     wrapped_peak_bytes: int
     wrapped_step_s: float
-    ratio_quartiles: tuple[float, float, float] = (float("nan"),) * 3  # paired wrapped/plain: q1, median, q3
-    plain_page_faults: int = -1  # minor page faults of one step (after a step of the same model)
-    wrapped_page_faults: int = -1
+    ratio_quartiles: tuple[float, float, float]  # paired wrapped/plain: q1, median, q3
+    plain_page_faults: int  # minor page faults of one step (after a step of the same model)
+    wrapped_page_faults: int
 
     def table(self) -> str:
         rows = [
@@ -312,18 +319,17 @@ def bench_model(
         model = copy.deepcopy(model)
     wrapped = MonetWrapper(model, schedule, example_inputs=inputs, optimizer=optimizer)
     peak = measure_step_peak(wrapped, inputs)
-    plain_ts, ts = interleaved_samples(plain, wrapped, inputs, steps)
-    med, q1, q3 = paired_ratio(plain_ts, ts)
+    plain_t, t, quartiles = paired_times(plain, wrapped, inputs, steps)
     return BenchResult(
         name,
         schedule.budget_bytes,
         schedule.predicted_peak_bytes,
         schedule.predicted_time_s,
         plain_peak,
-        statistics.median(plain_ts),
+        plain_t,
         peak,
-        statistics.median(ts),
-        ratio_quartiles=(q1, med, q3),
+        t,
+        ratio_quartiles=quartiles,
         plain_page_faults=step_page_faults(plain, inputs),
         wrapped_page_faults=step_page_faults(wrapped, inputs),
     )

@@ -56,8 +56,7 @@ class _StepTimer:
         self.wrapped = MonetWrapper(model, schedule, example_inputs=example_inputs)
         ex = self.wrapped.executor
         ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
-        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        self.timer = NodeTimer(ex, cuda)
+        self.timer = NodeTimer(ex, example_inputs)
 
     def step(self, record: bool) -> None:
         from monet_opt.bench import training_step
@@ -175,8 +174,7 @@ def calibrate_on_schedule(
         runner = copy.deepcopy(model).train()
         wrapped = MonetWrapper(runner, schedule, example_inputs=example_inputs, optimizer=optimizer)
         wrapped.executor.separate_graphs()  # each backward step times its own node
-        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        timer = NodeTimer(wrapped.executor, cuda)
+        timer = NodeTimer(wrapped.executor, example_inputs)
         for k in range(steps + 1):  # the first step warms up
             timer.recording = k > 0
             zero_grad(runner)
@@ -186,9 +184,9 @@ def calibrate_on_schedule(
     finally:
         _restore_model_state(model, saved)
     fwd, rec, bwd = timer.medians(FORWARD), timer.medians(RECOMPUTE), timer.medians(BACKWARD)
-    ran = {s.node: s.impl for st in schedule.stages for s in st.steps if s.op == "compute"}
     first = {s.node: s.impl for s in schedule.stages[0].steps if s.op == "compute"}
     again = {s.node: s.impl for st in schedule.stages[1:] for s in st.steps if s.op == "compute"}
+    ran = {**first, **again}  # the implementation of each node's last compute
     by_name = {n.name: n for n in problem.nodes}
 
     def impl_of(node, name):

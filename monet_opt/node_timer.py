@@ -17,22 +17,29 @@ import torch
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
 
+def on_cuda(inputs) -> bool:
+    """Whether a step on these inputs runs on a CUDA device (timers then synchronise)."""
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)
+
+
 class NodeTimer:
-    """Wraps an executor's `compute` and `backward` with wall-clock timers (CUDA synchronised
-    around each call). While `recording`, `times[(kind, node)]` collects seconds per call; kind
+    """Wraps an executor's `compute` and `backward` with wall-clock timers (synchronised around
+    each call when `inputs`, the step's inputs, are on CUDA). While `recording`, `times[(kind, node)]` collects seconds per call; kind
     is FORWARD (a compute in the forward stage), RECOMPUTE (a compute in a backward stage) or
     BACKWARD. A group of nodes sharing one autograd graph (`runtime/groups.py`) computes in one
     generated function and runs its backward at its first member: both times are that member's
     (`executor.separate_graphs()` gives each node its own). `close()` puts the executor's own
     methods back."""
 
-    def __init__(self, executor, cuda: bool) -> None:
+    def __init__(self, executor, inputs: tuple) -> None:
         self.executor = executor
         self.times: dict[tuple[str, str], list[float]] = defaultdict(list)
         self.recording = False
         compute, backward = executor.compute, executor.backward
         run_stage, run_segment = executor._run_stage, executor._run_segment
         in_backward_stage = [False]
+
+        cuda = on_cuda(inputs)
 
         def sync() -> None:
             if cuda:

@@ -69,7 +69,7 @@ def test_node_timer_counts_each_call_by_kind(narrow):
     schedule = baselines.chen_sqrt(problem)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     wrapped.executor.separate_graphs()  # one compute and one backward call per node
-    timer = NodeTimer(wrapped.executor, cuda=False)
+    timer = NodeTimer(wrapped.executor, (x,))
     timer.recording = True
     from monet_opt.bench import training_step, zero_grad
 
