@@ -154,7 +154,6 @@ class _State:
     box: _GradBox
     outputs: list[tuple[str, int]]  # (node, flat output position) fed to the root, needing grad
     leaves: list[tuple[str, int, _GradBox]]  # (source node, flat position in source, its gradient box)
-    params: list[torch.Tensor]  # parameters whose gradients the local graph gives
     # nodes whose backward overwrites (or passes on) the gradient it is fed
     in_place: set[str] = field(default_factory=set)
     saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
@@ -413,6 +412,8 @@ class ScheduleExecutor:
         self.stage_group_starts = [
             {k for (s, k) in self.group_starts if s == si} for si in range(len(self.schedule.stages))
         ]
+        if self.param_step is not None:
+            self._count_param_readers()
 
     def separate_graphs(self) -> None:
         """Give every node its own graph and backward call again (no groups): per-node timing
@@ -572,7 +573,6 @@ class ScheduleExecutor:
                         box,
                         outputs,
                         leaves,
-                        plan.params,
                         {name} if impl.grad_in_place else set(),
                         saved,
                     ),
@@ -601,7 +601,7 @@ class ScheduleExecutor:
         key = self.group_key[name]
         state = run.states.get(key)
         if state is None:
-            state = _State(None, _GradBox(), [], [], self.group_params[key])
+            state = _State(None, _GradBox(), [], [])
             run.put_state(key, state)
         state.leaves += leaves
         if self.plans[name].impls[impl_name].grad_in_place:  # (a pass-through: add, sub)
@@ -642,30 +642,40 @@ class ScheduleExecutor:
         return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
 
     def step_in_backward(self, step: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """Call `step(param, grad)` as soon as a parameter's gradient is complete (after the
-        backward of the last node reading it) and drop the gradient: it never reaches `.grad`.
-        Every node gets its own graph: a group's one backward call would make all its members'
-        parameter gradients at once, where the memory model frees each after its node."""
-        self.separate_graphs()
+        """Call `step(param, grad)` as soon as a parameter's gradient is complete and drop the
+        gradient: it never reaches `.grad`. A parameter read by one backward call (a node's, or
+        a group's shared one) steps inside that call, from a post-accumulate-grad hook, the
+        moment the engine has made its gradient (right after its node's backward, as the memory
+        model frees it); one read by several calls steps after the last of them."""
         self.param_step = step
-        readers: Counter = Counter()
+        self._count_param_readers()
+
+    def _count_param_readers(self) -> None:
+        """Per parameter, how many backward calls (a group's counts once) make its gradient."""
+        calls: dict[int, set[str]] = {}
         for stage in self.schedule.stages:
             for s in stage.steps:
                 if s.op == "backward":
-                    readers.update(id(p) for p in self.plans[s.node].params)
-        self.param_readers = dict(readers)
+                    call = self.group_key.get(s.node, s.node)
+                    for p in self.plans[s.node].params:
+                        calls.setdefault(id(p), set()).add(call)
+        self.param_readers = {k: len(v) for k, v in calls.items()}
 
     def backward(self, run: _StepRun, name: str) -> None:
         self._backward(run, name)
-        if self.param_step is None:
-            return
-        for param in self.plans[name].params:
-            key = id(param)
-            left = run.param_left[key] = run.param_left.get(key, self.param_readers[key]) - 1
-            if left == 0:
-                g = run.param_grads.pop(key, None)
-                if g is not None:
-                    self.param_step(param, g)
+
+    def _param_read(self, run: _StepRun, param: torch.Tensor, g: torch.Tensor | None) -> None:
+        """One backward call reading `param` is done (g: the gradient it made, if any); the
+        last one steps the parameter with the sum."""
+        key = id(param)
+        if g is not None:
+            prev = run.param_grads.get(key)
+            run.param_grads[key] = g if prev is None else prev.add_(g)
+        left = run.param_left[key] = run.param_left.get(key, self.param_readers[key]) - 1
+        if left == 0:
+            total = run.param_grads.pop(key, None)
+            if total is not None:
+                self.param_step(param, total)
 
     def _backward(self, run: _StepRun, name: str) -> None:
         group = self.group_of.get(name)
@@ -680,13 +690,36 @@ class ScheduleExecutor:
                     run.pop_state(node)
             state = run.pop_state(key)
             members = group.members
+            params = self.group_params[key]
         else:
             state = run.pop_state(name)
             members = (name,)
+            params = self.plans[name].params
+        if self.param_step is None:
+            self._engine_call(run, state, members, params)
+            return
+        stepped: set[int] = set()
+        try:
+            self._engine_call(run, state, members, params, stepped)
+        finally:
+            for param in params:  # (those the call made no gradient for)
+                if id(param) not in stepped:
+                    self._param_read(run, param, None)
+
+    def _engine_call(
+        self,
+        run: _StepRun,
+        state: _State | None,
+        members: tuple[str, ...],
+        params: list[torch.Tensor],
+        stepped: set[int] | None = None,
+    ) -> None:
+        """Run the backward of a node's (or a group's) local graph. stepped: given with the
+        optimizer step in the backward, gets the parameters read (and maybe stepped) inside."""
         if state is None:
-            grads = run.grads.pop(name, None)
-            if grads is not None and any(g is not None for g in grads):
-                raise ScheduleRuntimeError(f"backward of {name!r}: its backward state is not held")
+            grads = [run.grads.pop(m, None) for m in members]
+            if any(g is not None and any(x is not None for x in g) for g in grads):
+                raise ScheduleRuntimeError(f"backward of {members[0]!r}: its backward state is not held")
             return
         slots = {m: run.grads.pop(m, None) for m in members}
         fed = [None if slots[m] is None else slots[m][pos] for m, pos in state.outputs]
@@ -703,21 +736,40 @@ class ScheduleExecutor:
         del fed
         for source, pos, box in state.leaves:
             box.sink = functools.partial(self.accumulate, run, source, pos, fed_keys=fed_keys)
-        params = state.params
-        # autograd.grad, not backward: parameter gradients come back to us and leave through
-        # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's backward.
-        # Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
-        got = torch.autograd.grad(
-            state.root,
-            [_ANCHOR, *params],
-            torch.empty(0, device=state.root.device),
-            allow_unused=True,
-        )
-        for param, g in zip(params, got[1:]):
-            if g is None:
-                continue
-            prev = run.param_grads.get(id(param))
-            run.param_grads[id(param)] = g if prev is None else prev.add_(g)
+        seed = torch.empty(0, device=state.root.device)
+        if stepped is None:
+            # autograd.grad, not backward: parameter gradients come back to us and leave through
+            # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's
+            # backward. Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
+            got = torch.autograd.grad(state.root, [_ANCHOR, *params], seed, allow_unused=True)
+            for param, g in zip(params, got[1:]):
+                if g is None:
+                    continue
+                prev = run.param_grads.get(id(param))
+                run.param_grads[id(param)] = g if prev is None else prev.add_(g)
+        else:
+            # backward with inputs: each parameter's gradient is accumulated into `.grad` when
+            # the engine has made it, and the hook takes it from there at once (autograd.grad
+            # would hold every gradient until the call returns); `.grad`s the user left are put
+            # back afterwards
+            left = {id(p): p.grad for p in params if p.grad is not None}
+            for p in params:
+                p.grad = None
+
+            def take(param: torch.Tensor) -> None:
+                g, param.grad = param.grad, None
+                stepped.add(id(param))
+                self._param_read(run, param, g)
+
+            hooks = [p.register_post_accumulate_grad_hook(take) for p in params]
+            try:
+                torch.autograd.backward(state.root, seed, inputs=[_ANCHOR, *params])
+            finally:
+                for h in hooks:
+                    h.remove()
+                for p in params:
+                    p.grad = left.get(id(p))
+                _ANCHOR.grad = None
         for _, _, box in state.leaves:
             box.sink = None
 
@@ -842,7 +894,7 @@ class ScheduleExecutor:
         for name, value in zip(segment.held, out[:n_held]):
             run.put_detached(name, *_flatten(value))
         key = self.group_key[group.members[0]]
-        state = _State(None, _GradBox(), [], leaves, self.group_params[key], set(self.group_in_place[key]))
+        state = _State(None, _GradBox(), [], leaves, set(self.group_in_place[key]))
         pending = []
         for name, value in zip(segment.external, out[n_held:]):
             flat, _ = _flatten(value)
