@@ -201,7 +201,7 @@ class StepParts:
 def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepParts:
     """Where a `MonetWrapper`'s step time goes: every node timed where it runs
     (`monet_opt.node_timer`), means per step over `steps` timed steps after an untimed one."""
-    from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, NodeTimer
+    from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
 
     timer = NodeTimer(wrapped.executor, inputs)
     try:
@@ -213,7 +213,7 @@ def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepPart
         zero_grad(wrapped)
     return StepParts(
         timer.total(FORWARD) / steps,
-        timer.total(RECOMPUTE) / steps,
+        (timer.total(RECOMPUTE) + timer.total(RESTORE)) / steps,  # (restores: the simulator's too)
         timer.total(BACKWARD) / steps,
         total / steps,
     )

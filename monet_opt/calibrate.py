@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, NodeTimer
+from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
+from monet_opt.restore import consumer_of
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
 from solver.problem import Problem
 
@@ -127,7 +128,7 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
             if rt is not None:  # scaled as this implementation's forward was
                 rt *= ft / im.fwd_time if im.fwd_time > 0 else sf
             impls.append(dataclasses.replace(im, fwd_time=ft, bwd_time=bt, recompute_time=rt))
-        nodes.append(dataclasses.replace(node, impls=tuple(impls)))
+        nodes.append(dataclasses.replace(node, impls=tuple(impls)))  # (restores: timed in isolation)
     meta = dict(problem.meta)
     meta["in_situ_calibration"] = {k: round(v, 6) for k, v in summary.items()} | {
         "steps": steps,
@@ -184,8 +185,11 @@ def calibrate_on_schedule(
     finally:
         _restore_model_state(model, saved)
     fwd, rec, bwd = timer.medians(FORWARD), timer.medians(RECOMPUTE), timer.medians(BACKWARD)
+    restored = timer.medians(RESTORE)
     first = {s.node: s.impl for s in schedule.stages[0].steps if s.op == "compute"}
-    again = {s.node: s.impl for st in schedule.stages[1:] for s in st.steps if s.op == "compute"}
+    again_steps = [s for st in schedule.stages[1:] for s in st.steps if s.op == "compute"]
+    again = {s.node: s.impl for s in again_steps if not consumer_of(s.impl)}
+    restore_used = {s.node: s.impl for s in again_steps if consumer_of(s.impl)}
     ran = {**first, **again}  # the implementation of each node's last compute
     by_name = {n.name: n for n in problem.nodes}
 
@@ -223,7 +227,13 @@ def calibrate_on_schedule(
             if name in fwd and im.name == first.get(name):
                 ft = fwd[name]
             impls.append(dataclasses.replace(im, fwd_time=ft, bwd_time=bt, recompute_time=rt))
-        nodes.append(dataclasses.replace(node, impls=tuple(impls)))
+        restores = tuple(
+            dataclasses.replace(r, time=restored[name])
+            if name in restored and r.name == restore_used.get(name)
+            else r
+            for r in node.restores
+        )
+        nodes.append(dataclasses.replace(node, impls=tuple(impls), restores=restores))
     meta = dict(problem.meta)
     rounds = list(meta.get("schedule_calibration", []))
     rounds.append(

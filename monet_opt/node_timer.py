@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+FORWARD, RECOMPUTE, BACKWARD, RESTORE = "forward", "recompute", "backward", "restore"
 
 
 def on_cuda(inputs) -> bool:
@@ -25,7 +25,8 @@ def on_cuda(inputs) -> bool:
 class NodeTimer:
     """Wraps an executor's `compute` and `backward` with wall-clock timers (synchronised around
     each call when `inputs`, the step's inputs, are on CUDA). While `recording`, `times[(kind, node)]` collects seconds per call; kind
-    is FORWARD (a compute in the forward stage), RECOMPUTE (a compute in a backward stage) or
+    is FORWARD (a compute in the forward stage), RECOMPUTE (a compute in a backward stage),
+    RESTORE (a restore, `monet_opt.restore`: under its node, at most one restore per node) or
     BACKWARD. A group of nodes sharing one autograd graph (`runtime/groups.py`) computes in one
     generated function and runs its backward at its first member: both times are that member's
     (`executor.separate_graphs()` gives each node its own). `close()` puts the executor's own
@@ -38,6 +39,7 @@ class NodeTimer:
         compute, backward = executor.compute, executor.backward
         run_stage, run_segment = executor._run_stage, executor._run_segment
         in_backward_stage = [False]
+        restores = executor.restore_impls
 
         cuda = on_cuda(inputs)
 
@@ -51,7 +53,8 @@ class NodeTimer:
             compute(run, name, impl, grad, recompute, *rest)
             sync()
             if self.recording:
-                self.times[(RECOMPUTE if recompute else FORWARD, name)].append(time.perf_counter() - t0)
+                kind = RESTORE if impl in restores else RECOMPUTE if recompute else FORWARD
+                self.times[(kind, name)].append(time.perf_counter() - t0)
 
         def timed_backward(run, name):
             sync()

@@ -36,6 +36,7 @@ from monet_opt.graph import OpGraph, trace
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for, shares_gradient
 from monet_opt.ops.base import Implementation
+from monet_opt.restore import CONSUMER_IMPL, restore_name
 from monet_opt.runtime.executor import (
     _fetch_attr,
     _GradBox,
@@ -48,9 +49,9 @@ from monet_opt.runtime.executor import (
     reuse_arguments_allow,
 )
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, optimizer_factory, step_bytes_per_param_byte
-from monet_opt.storage import storage_key
+from monet_opt.storage import spans_storage, storage_key
 from solver.jsonio import atomic_write_text
-from solver.problem import Impl, Node, Problem
+from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
 CACHE_VERSION = 7  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
@@ -448,6 +449,8 @@ def build_problem(
     param_users: dict[int, list[str]] = {}
     param_bytes: dict[int, int] = {}
     rows: list[dict] = []
+    # node -> (restore from a consumer's state, bytes of the value it restores)
+    restores: dict[str, list[tuple[Restore, int]]] = {}
     for fx_node in fx_nodes:
         target = _resolve_target(gm, fx_node)
         impls = implementations_for(fx_node.op, target)
@@ -551,6 +554,10 @@ def build_problem(
                     fwd_in_place=writes_into,
                 )
             )
+        if any(i.name == CONSUMER_IMPL for i in impl_rows):
+            restore = _restore_from(fx_node, args, op_names, cache, device, repeats)
+            if restore is not None:
+                restores.setdefault(fx_node.args[0].name, []).append(restore)
         rows.append(
             {
                 "name": fx_node.name,
@@ -591,9 +598,15 @@ def build_problem(
     nodes = []
     for row in rows:
         backward = row["name"] in backward_nodes
+        offered = tuple(  # (the whole storage of the node, read by a consumer with a backward)
+            r
+            for r, nbytes in restores.get(row["name"], [])
+            if row["alias_of"] is None and row["output_bytes"] == nbytes and r.consumer in backward_nodes
+        )
         nodes.append(
             Node(
                 **row,
+                restores=offered,
                 requires_backward=backward,
                 param_grad_bytes=owner_bytes.get(row["name"], 0) if backward else 0,
                 param_grad_freed_bytes=freed.get(row["name"], 0),
@@ -643,6 +656,38 @@ def build_problem(
 
         problem = calibrate_in_situ(model, example_inputs, problem)
     return problem
+
+
+def _restore_from(
+    fx_node: fx.Node, args: tuple, op_names: set[str], cache, device: torch.device, repeats: int
+) -> tuple[Restore, int] | None:
+    """A convolution offering "zero_packed_input" on a problem node's whole storage: the
+    restore of that node from its state (`monet_opt.restore`), with the unpacking timed, and the
+    bytes it restores."""
+    from monet_opt.ops import zero_pack
+
+    src = fx_node.args[0] if fx_node.args else None
+    x = args[0] if args else None
+    if not isinstance(src, fx.Node) or src.name not in op_names or not isinstance(x, torch.Tensor):
+        return None
+    if not spans_storage(x) or not x.is_contiguous():
+        return None
+    key = f"unpack:{tuple(x.shape)}:{x.dtype}:{x.device}:{zero_pack.nonzero_count(x)}"
+    load = cpu_load() if device.type == "cpu" else None
+    entry = cache.get(key, load)
+    if entry is None:
+        packed = zero_pack.pack(x.detach())
+        times = []
+        for _ in range(max(3, repeats)):
+            _sync(device)
+            t0 = time.perf_counter()
+            zero_pack.unpack(packed)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        entry = {"time": statistics.median(times)}
+        cache.put(key, entry, load)
+    restore = Restore(restore_name(fx_node.name), fx_node.name, CONSUMER_IMPL, entry["time"])
+    return restore, x.numel() * x.element_size()
 
 
 def _steps_in_backward(

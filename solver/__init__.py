@@ -10,7 +10,7 @@ from solver import baselines  # noqa: E402  (after the contract types it uses)
 from solver.baselines import best_baseline, checkpoint_all, chen_sqrt, greedy, no_recompute
 from solver.bounds import min_feasible_lower_bound
 from solver.milp import InfeasibleBudget, NoScheduleFound, minimum_peak, resolve_budget, solve, sweep
-from solver.problem import Impl, Node, Problem, ProblemError
+from solver.problem import Impl, Node, Problem, ProblemError, Restore
 from solver.schedule import FingerprintMismatch, Schedule, ScheduleError, SolverInfo, Stage, Step
 from solver.simulate import ScheduleInvalid, SimResult, simulate
 
@@ -33,6 +33,7 @@ __all__ = [
     "Node",
     "Problem",
     "ProblemError",
+    "Restore",
     "Schedule",
     "ScheduleError",
     "ScheduleInvalid",

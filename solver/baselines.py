@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from solver.plan import Analysis, Plan, lazy_plan, to_schedule
+from solver.plan import Analysis, Plan, lazy_plan, plan_of_schedule, to_schedule
 from solver.problem import Problem
 from solver.schedule import Schedule, SolverInfo
 from solver.simulate import simulate
@@ -89,12 +89,13 @@ def policy_schedule(
     )
 
 
-def plan_of(problem: Problem, schedule: Schedule) -> Plan | None:
-    """The plan of a policy schedule made by this module (from meta['policy']), else None."""
+def plan_of(problem: Problem, schedule: Schedule) -> Plan:
+    """The plan of a schedule: a policy schedule's made by this module (from meta['policy']),
+    else the one its steps follow (`solver.plan.plan_of_schedule`)."""
     pol = schedule.meta.get("policy")
-    if not pol:
-        return None
     an = analysis(problem)
+    if not pol:
+        return plan_of_schedule(an, schedule)
     impl = _impl_indices(an, pol.get("impl", {}))
     levels = [frozenset(an.idx[x] for x in lv) for lv in pol.get("levels", [])]
     split = frozenset(an.idx[x] for x in pol.get("split", []))

@@ -313,6 +313,8 @@ class Formulation:
                     md.var(cost=_recompute_time(ims[m]) + (ims[m].bwd_time if i == t else 0.0))
                     for m in range(nimp[i])
                 ]
+                if i != t:  # restores (`Restore`): after the implementations, from a consumer's state
+                    Rs[i] += [md.var(cost=r.time) for _c, _mc, r in an.restores[i]]
             self.R.append(Rs)
         self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
         # in-place forwards: y <= x[c] for c in the first list, y <= 1 - x[c] for c in the second
@@ -342,12 +344,29 @@ class Formulation:
                     md.row(ac, [1.0] * len(ac), -INF, 1.0)
             # recompute needs inputs; no second copy
             md.tag = ("inputs", s, t)
+            A2s = self.A[s + 1] if s + 1 < T else {}
             for i, rc in Rs.items():
+                ic = rc[: nimp[i]]
                 for j in an.uinputs[i]:
-                    cc = rc + [Ss[j]] + Rs.get(j, [])
-                    md.row(cc, [1.0] * len(rc) + [-1.0] * (len(cc) - len(rc)), -INF, 0.0)
+                    cc = ic + [Ss[j]] + Rs.get(j, [])
+                    md.row(cc, [1.0] * len(ic) + [-1.0] * (len(cc) - len(ic)), -INF, 0.0)
                 if not an.is_view[i]:
                     md.row(rc + [Ss[i]], [1.0] * (len(rc) + 1), -INF, 1.0)
+                # a restore reads the consumer's state: t's, or another one held through the stage
+                # (held at its start and carried; the emitter frees the others when it starts)
+                md.tag = ("restore", s, t)
+                for r, (c, mc, _r) in enumerate(an.restores[i] if i != t else ()):
+                    col = rc[nimp[i] + r]
+                    if c == t:
+                        md.row([col, As[t][mc]], [1.0, -1.0], -INF, 0.0)
+                    elif c < t and c in A2s:
+                        md.row([col, As[c][mc]], [1.0, -1.0], -INF, 0.0)
+                        md.row([col, A2s[c][mc]], [1.0, -1.0], -INF, 0.0)
+                        # (held at the start, c is recomputed in s without grad, if at all: its
+                        # state stays; see vector_to_plan)
+                    else:
+                        md.ub[col] = 0.0
+                md.tag = ("inputs", s, t)
             # storages held by states
             md.tag = ("kept", s, t)
             for c, ac in As.items():
@@ -446,7 +465,7 @@ class Formulation:
                 for i, rc in Rs.items():
                     cols, coefs = list(base_cols), list(base_coefs)
                     # written into its input's storage (the simulator's rule): no new bytes
-                    for m, c in enumerate(rc):
+                    for m, c in enumerate(rc[: nimp[i]]):
                         j = sources[i][m]
                         if j is None:
                             continue
@@ -477,7 +496,12 @@ class Formulation:
                     # or recomputed here, and counts until the last reader of it or of its views
                     for m, c in enumerate(rc):
                         cols.append(c)
-                        coefs.append(float(an.a[i] + an.impls[i][m].fwd_workspace))
+                        work = (
+                            an.impls[i][m].fwd_workspace
+                            if m < nimp[i]
+                            else an.restores[i][m - nimp[i]][2].workspace
+                        )
+                        coefs.append(float(an.a[i] + work))
                     self._mem_row(cols, coefs, an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)
@@ -1547,7 +1571,7 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
         improved = False
         passes += 1
         # bands that recompute the most first: there is the most to win, and time may run out
-        work = [sum(_recompute_time(an.impls[i][m]) for i, m, _g in st.recompute) for st in plan.stages]
+        work = [sum(an.recompute_time(i, m) for i, m, _g in st.recompute) for st in plan.stages]
         starts = sorted(range(0, an.T, stride), key=lambda b: -sum(work[b : b + POLISH_SPAN]))
         for start in starts:
             remaining = deadline - time.perf_counter()

@@ -46,6 +46,16 @@ class Analysis:
         self.a = [0 if self.is_view[i] else nodes[i].output_bytes for i in range(n)]
         self.rb = [nd.requires_backward for nd in nodes]
         self.impls = [nd.impls for nd in nodes]
+        self.nimp = [len(ims) for ims in self.impls]
+        # restores[i]: (consumer index, consumer impl index, Restore); a plan's recompute entry
+        # (i, m, False) with m >= nimp[i] is restore m - nimp[i]
+        self.restores: list[list[tuple[int, int, object]]] = [
+            [
+                (idx[r.consumer], [im.name for im in nodes[idx[r.consumer]].impls].index(r.consumer_impl), r)
+                for r in nd.restores
+            ]
+            for nd in nodes
+        ]
         self.consumers: list[list[int]] = [[] for _ in range(n)]
         for i in range(n):
             for j in self.uinputs[i]:
@@ -210,6 +220,32 @@ class Analysis:
                 anc.append(frozenset(s))
             self._anc = anc
         return self._anc
+
+    def is_restore(self, i: int, m: int) -> bool:
+        return m >= self.nimp[i]
+
+    def step_name(self, i: int, m: int) -> str:
+        """The name a compute step uses for recompute entry (i, m): an implementation's or a
+        restore's."""
+        return self.impls[i][m].name if m < self.nimp[i] else self.restores[i][m - self.nimp[i]][2].name
+
+    def step_inputs(self, i: int, m: int) -> list[int]:
+        """The values recompute entry (i, m) reads (a restore reads none)."""
+        return self.uinputs[i] if m < self.nimp[i] else []
+
+    def recompute_time(self, i: int, m: int) -> float:
+        if m >= self.nimp[i]:
+            return self.restores[i][m - self.nimp[i]][2].time
+        im = self.impls[i][m]
+        return im.fwd_time if im.recompute_time is None else im.recompute_time
+
+    def step_index(self, i: int, name: str) -> int:
+        """The recompute-entry index of a compute step's name: an implementation's, or
+        nimp[i] + r for restore r."""
+        for r, (_c, _mc, restore) in enumerate(self.restores[i]):
+            if restore.name == name:
+                return self.nimp[i] + r
+        return self.impl_index(i, name)
 
     def impl_index(self, i: int, name: str) -> int:
         for m, im in enumerate(self.impls[i]):
@@ -394,8 +430,8 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
     for s in range(T):
         produced: set[int] = set()
         used: set[int] = set()
-        for i, _m, _g in rec[s]:
-            for j in an.uinputs[i]:
+        for i, m, _g in rec[s]:
+            for j in an.step_inputs(i, m):
                 if j not in produced:
                     used.add(j)
             produced.add(i)
@@ -455,6 +491,83 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
     return Plan(impl=list(impl), F=set(F), S0=carried[0], stages=stages)
 
 
+def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
+    """The plan an emitted schedule follows, whatever strategy made it: the forward's
+    implementations and kept states, each backward stage's computes, and the handles and states
+    held when each stage ends (with the storages held states and views keep, as the MILP counts
+    them). Used to start a solve from an earlier schedule (`solve(start_plan=)`)."""
+    idx = an.idx
+    impl = an.default_impls()
+    F: set[int] = set()
+    held: set[int] = set()
+    states: dict[int, int] = {}
+
+    def handed_on(upto: int) -> set[int]:
+        vals = set(held)
+        for i, m in states.items():
+            vals.update(an.kept_bases[i][m])
+        vals.update([an.base[v] for v in vals])
+        vals.update(an.user_held)
+        return {v for v in vals if v <= upto}
+
+    stages: list[StagePlan] = []
+    for si, stage in enumerate(schedule.stages):
+        rec: list[tuple[int, int, bool]] = []
+        for step in stage.steps:
+            i = idx[step.node]
+            if step.op == "compute":
+                m = an.step_index(i, step.impl)
+                held.add(i)
+                if step.grad:
+                    states[i] = m
+                if si == 0:
+                    impl[i] = m
+                    if step.grad:
+                        F.add(i)
+                else:
+                    rec.append((i, m, step.grad))
+            elif step.op == "free_value":
+                held.discard(i)
+            else:  # backward / free_state
+                states.pop(i, None)
+        if si == 0:
+            S0 = handed_on(an.n)
+        else:
+            upto = an.bw[si] if si < an.T else -1
+            stages.append(StagePlan(rec, handed_on(upto), {i: m for i, m in states.items() if i <= upto}))
+    return Plan(impl, F, S0, stages)
+
+
+def with_restores(an: Analysis, plan: Plan) -> Plan:
+    """The plan with each recompute without grad of a node that a consumer's state, held through
+    the stage, can restore (`Restore`) replaced by that restore, when the restore is no slower,
+    and the recomputes nothing needs any more dropped. Never slower, never more memory: a
+    restore makes the same value and reads nothing."""
+    held = {i: plan.impl[i] for i in plan.F if an.rb[i]}  # states held when the stage starts
+    stages = []
+    for s, t in enumerate(an.bw):
+        sp = plan.stages[s]
+        regrad = {i for i, _m, g in sp.recompute if g}
+        through = {i: m for i, m in held.items() if i not in regrad and (i == t or i in sp.carry_states)}
+        rec = []
+        for i, m, g in sp.recompute:
+            if not g and i != t and not an.is_restore(i, m):
+                for r, (c, mc, restore) in enumerate(an.restores[i]):
+                    if through.get(c) == mc and restore.time <= an.recompute_time(i, m):
+                        m = an.nimp[i] + r
+                        break
+            rec.append((i, m, g))
+        needed = set(sp.carry_vals) | {t}
+        kept = []
+        for i, m, g in reversed(rec):
+            if g or i in needed:
+                kept.append((i, m, g))
+                needed.update(an.step_inputs(i, m))
+        stages.append(StagePlan(kept[::-1], sp.carry_vals, sp.carry_states))
+        held = dict(sp.carry_states)
+    return Plan(plan.impl, plan.F, plan.S0, stages)
+
+
 def emit(an: Analysis, plan: Plan) -> list[Stage]:
     """The explicit schedule of a plan, freeing everything as early as the plan allows."""
     names = an.names
@@ -476,8 +589,8 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
         steps = []
         rec_nodes = [i for i, _m, _g in sp.recompute]
         last_use: dict[int, int] = {}
-        for k, i in enumerate(rec_nodes):
-            for j in an.uinputs[i]:
+        for k, (i, m, _g) in enumerate(sp.recompute):
+            for j in an.step_inputs(i, m):
                 last_use[j] = k
         recset = set(rec_nodes)
         regrad = {i for i, _m, g in sp.recompute if g}
@@ -491,10 +604,17 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
                 steps.append(Step("free_value", names[j]))
                 held_vals.discard(j)
         for k, (i, m, g) in enumerate(sp.recompute):
-            for j in an.uinputs[i]:
+            for j in an.step_inputs(i, m):
                 if j not in held_vals:
                     raise PlanError(f"stage {s} ({names[t]}): recompute of {names[i]} needs {names[j]}")
-            steps.append(Step("compute", names[i], impls[i][m].name, bool(g and an.rb[i])))
+            if an.is_restore(i, m):
+                c, mc, _r = an.restores[i][m - an.nimp[i]]
+                if held_states.get(c) != mc:
+                    raise PlanError(
+                        f"stage {s} ({names[t]}): restore of {names[i]} needs the state of {names[c]}"
+                    )
+                g = False
+            steps.append(Step("compute", names[i], an.step_name(i, m), bool(g and an.rb[i])))
             held_vals.add(i)
             if g and an.rb[i]:
                 held_states[i] = m

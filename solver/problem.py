@@ -17,9 +17,10 @@ from pathlib import Path
 
 from solver.jsonio import atomic_write_text, read_json_object
 
-# 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared
-PROBLEM_FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # (older files still load)
+# 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
+# 6: Node.restores
+PROBLEM_FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -77,6 +78,25 @@ class Impl:
 
 
 @dataclass(frozen=True)
+class Restore:
+    """A second way to get a node's value back in a backward stage, besides recomputing it:
+    read it out of a consumer's backward state, which holds a copy of it in another form (a
+    convolution that keeps its ReLU input zero-packed). Only a backward stage restores, without
+    autograd (it makes no state), and only while that consumer's state, made with
+    `consumer_impl`, is held; it reads none of the node's inputs.
+
+    name: the implementation name a schedule's compute step uses for it.
+    time / workspace: of the restore (unpacking), like `Impl.fwd_time` / `fwd_workspace`.
+    """
+
+    name: str
+    consumer: str
+    consumer_impl: str
+    time: float
+    workspace: int = 0
+
+
+@dataclass(frozen=True)
 class Node:
     """One operator.
 
@@ -92,6 +112,7 @@ class Node:
         parameter is updated, and its gradient dropped, once its last reader's backward ran).
     param_step_bytes: transient bytes of that optimizer step (its temporaries).
     is_output: the model returns this value; the user holds it until the step ends.
+    restores: ways to read the value back out of a consumer's backward state (`Restore`).
     """
 
     name: str
@@ -106,10 +127,14 @@ class Node:
     is_output: bool = False
     param_grad_freed_bytes: int = 0
     param_step_bytes: int = 0
+    restores: tuple[Restore, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "impls", tuple(i if isinstance(i, Impl) else Impl(**i) for i in self.impls))
+        object.__setattr__(
+            self, "restores", tuple(r if isinstance(r, Restore) else Restore(**r) for r in self.restores)
+        )
 
     def impl(self, name: str) -> Impl:
         for impl in self.impls:
@@ -175,7 +200,9 @@ class Problem:
 
 def _validate(nodes: tuple[Node, ...]) -> None:
     seen: set[str] = set()
+    by_name = {n.name: n for n in nodes}
     for node in nodes:
+        _validate_restores(node, by_name)
         if node.name in seen:
             raise ProblemError(f"duplicate node name {node.name!r}")
         for inp in node.inputs:
@@ -224,3 +251,22 @@ def _validate(nodes: tuple[Node, ...]) -> None:
             if min(impl.fwd_time, impl.bwd_time, impl.recompute_time or 0.0) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")
         seen.add(node.name)
+
+
+def _validate_restores(node: Node, by_name: dict[str, Node]) -> None:
+    names = [i.name for i in node.impls]
+    for r in node.restores:
+        where = f"node {node.name!r} restore {r.name!r}"
+        if r.name in names or [x.name for x in node.restores].count(r.name) > 1:
+            raise ProblemError(f"{where}: the name is already an implementation or another restore's")
+        if node.alias_of is not None:
+            raise ProblemError(f"{where}: a view has no storage of its own to restore")
+        consumer = by_name.get(r.consumer)
+        if consumer is None or node.name not in consumer.inputs:
+            raise ProblemError(f"{where}: {r.consumer!r} is not a node that reads {node.name!r}")
+        if not consumer.requires_backward or r.consumer_impl not in [i.name for i in consumer.impls]:
+            raise ProblemError(
+                f"{where}: {r.consumer!r} has no implementation {r.consumer_impl!r} with a backward state"
+            )
+        if r.time < 0 or r.workspace < 0:
+            raise ProblemError(f"{where}: negative time or workspace")

@@ -57,10 +57,15 @@ Transient peaks:
   are summed into a new buffer (a transient peak) that replaces the existing one.
   A buffer nothing holds any more is freed.
 
+A restore (a compute step naming one of the node's `restores`, in a backward stage, without
+grad) reads none of the node's inputs; the consumer's state it names, made with the named
+implementation, must be held. Peak: live + output_bytes + the restore's workspace; the
+output is a new storage.
+
 Time is the sum of `fwd_time` of a node's first compute step, `recompute_time`
 (if given, else `fwd_time`) of each later one (a recomputation, which may reuse what
-the first computation left, e.g. batch statistics), and `bwd_time` of every backward step, with the implementation named in the
-step.
+the first computation left, e.g. batch statistics), the `time` of each restore, and `bwd_time`
+of every backward step, with the implementation named in the step.
 
 A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
 value whose handle is not held, backs a node without its state or gradient,
@@ -72,7 +77,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from solver.problem import Impl, Node, Problem
+from solver.problem import Impl, Node, Problem, Restore
 from solver.schedule import Schedule
 
 
@@ -117,6 +122,7 @@ class _Replay:
         self.backed: set[str] = set()
         self.live = problem.fixed_bytes
         self.peak = self.live
+        self.backward_started = False
 
     # -- storage bookkeeping ---------------------------------------------------
     def _new_copy(self, node: Node) -> tuple[str, int]:
@@ -206,6 +212,7 @@ class _Replay:
                 self._hold(self.handle[n.name], ("user", n.name))
 
     def _start_backward(self) -> None:
+        self.backward_started = True
         for n in self.p.nodes:
             if n.is_output and n.requires_backward and n.name not in self.grads:
                 buf = self._new_grad(n.grad_bytes)
@@ -223,6 +230,9 @@ class _Replay:
         again: bool = False,
         freed_next: frozenset[str] = frozenset(),
     ) -> float:
+        restore = next((r for r in node.restores if r.name == impl_name), None)
+        if restore is not None:
+            return self._restore(node, restore, grad, where)
         impl = next((i for i in node.impls if i.name == impl_name), None)
         if impl is None:
             raise ScheduleInvalid(f"{where}: no implementation {impl_name!r}")
@@ -255,6 +265,24 @@ class _Replay:
         if again and impl.recompute_time is not None:
             return impl.recompute_time
         return impl.fwd_time
+
+    def _restore(self, node: Node, restore: Restore, grad: bool, where: str) -> float:
+        if grad or not self.backward_started:
+            raise ScheduleInvalid(f"{where}: a restore runs only in a backward stage, without grad")
+        state = self.states.get(restore.consumer)
+        if state is None or state[0].name != restore.consumer_impl:
+            raise ScheduleInvalid(
+                f"{where}: restores from the state of {restore.consumer!r} made with "
+                f"{restore.consumer_impl!r}, which is not held"
+            )
+        key = self._new_copy(node)
+        self._bump(restore.workspace)
+        old = self.handle.get(node.name)
+        self.handle[node.name] = key
+        self._hold(key, ("h", node.name))
+        if old is not None:
+            self._release(old, ("h", node.name))
+        return restore.time
 
     def _writes_in_place(self, node: Node, impl: Impl, freed_next: frozenset[str]) -> bool:
         if impl.fwd_in_place is None:

@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import random
 
-from solver.problem import Impl, Node, Problem
+from solver.problem import Impl, Node, Problem, Restore
 
 F32 = 4
 
@@ -484,6 +484,43 @@ def with_step_in_backward(problem: Problem, ratio: float = 2.0) -> Problem:
         for n in problem.nodes
     )
     return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
+
+
+def with_restores(
+    problem: Problem, packed: float = 0.4, slower: float = 1.1, unpack: float = 0.05
+) -> Problem:
+    """`problem` where every convolution reading a ReLU output (an owned storage) may keep that
+    input packed: a "packed" implementation whose state holds `packed` times the input's bytes
+    instead of the input (backward `slower` times as long), and the ReLU output may be restored
+    from that state in `unpack` times the ReLU's forward time (`Restore`), as
+    `monet_opt`'s zero-packed convolution inputs allow."""
+    by_name = {n.name: n for n in problem.nodes}
+    restores: dict[str, list[Restore]] = {}
+    nodes = []
+    for n in problem.nodes:
+        src = by_name.get(n.inputs[0]) if n.inputs else None
+        conv = n.impls[0]
+        if (
+            n.op == "conv2d"
+            and src is not None
+            and src.op == "relu"
+            and src.alias_of is None
+            and conv.keeps_inputs == (0,)
+        ):
+            extra = dataclasses.replace(
+                conv,
+                name="packed",
+                bwd_time=conv.bwd_time * slower,
+                keeps_inputs=(),
+                state_bytes=conv.state_bytes + int(packed * src.output_bytes),
+            )
+            n = dataclasses.replace(n, impls=(*n.impls, extra))
+            restores.setdefault(src.name, []).append(
+                Restore(f"restore_from:{n.name}", n.name, "packed", unpack * src.impls[0].fwd_time)
+            )
+        nodes.append(n)
+    nodes = [dataclasses.replace(n, restores=tuple(restores.get(n.name, ()))) for n in nodes]
+    return dataclasses.replace(problem, nodes=tuple(nodes), fingerprint=problem.fingerprint + ":restores")
 
 
 def problem_zoo() -> dict[str, Problem]:

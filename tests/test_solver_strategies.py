@@ -10,8 +10,11 @@ import pytest
 
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
 from solver import baselines as B
+from solver.baselines import plan_of
 from solver.milp import Formulation, window_ladder
-from solver.synthetic import problem_zoo, with_step_in_backward
+from solver.plan import Analysis, to_schedule
+from solver.schedule import SolverInfo
+from solver.synthetic import chain, problem_zoo, random_dag, resnet, with_step_in_backward
 
 PROBLEMS = problem_zoo()
 FRACTIONS = (0.9, 0.7, 0.5)
@@ -551,3 +554,21 @@ def test_time_left_after_polishing_goes_to_highs_and_its_bound_counts(monkeypatc
     bounds = [a["bound"] for a in attempts if a["bound"] is not None]
     obj = s.predicted_time_s
     assert s.solver.gap <= (obj - max(bounds)) / obj + 1e-9
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: resnet(30, seed=3), lambda: chain(12, seed=2), lambda: random_dag(16, seed=6)]
+)
+def test_the_plan_of_any_milp_schedule_re_emits_it_and_fits_the_formulation(make):
+    """`plan_of` reads the plan back out of a MILP schedule's steps (refinement starts the next
+    solve from it): the same time and peak, and a point the MILP's rows accept."""
+    p = make()
+    budget = int(0.7 * B.no_recompute(p).predicted_peak_bytes)
+    s = solve(p, budget, time_limit=8, verbose=False)
+    an = Analysis(p)
+    plan = plan_of(p, s)
+    again = to_schedule(an, plan, "again", SolverInfo("test"), budget)
+    assert again.predicted_time_s == pytest.approx(s.predicted_time_s)
+    assert again.predicted_peak_bytes == s.predicted_peak_bytes
+    form = Formulation(an, budget)
+    assert form.violations(form.plan_to_vector(plan)) == []

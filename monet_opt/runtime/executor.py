@@ -49,6 +49,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
+from monet_opt.restore import consumer_of, holds_packed_input, restored_value
 from monet_opt.runtime.groups import Group, find_groups
 from monet_opt.runtime.segments import Segment, build_segment
 from monet_opt.storage import gradient_spans_storage, only_reference, spans_storage, storage_key
@@ -157,6 +158,7 @@ class _State:
     # nodes whose backward overwrites (or passes on) the gradient it is fed
     in_place: set[str] = field(default_factory=set)
     saved: set[int] = field(default_factory=set)  # storages (data_ptr) its local graph saved
+    packed_by: Any = None  # a restore source's: the autograd node that keeps its input packed
 
 
 @dataclass
@@ -341,6 +343,11 @@ class ScheduleExecutor:
                     node, target, impls, False, _node_params(gm, node, target), _reuse_kind(node, target)
                 )
         self._check_schedule()
+        # restores (`monet_opt.restore`): the nodes whose state they read, and their step names
+        self.restore_impls = {
+            s.impl for st in schedule.stages for s in st.steps if s.op == "compute" and consumer_of(s.impl)
+        }
+        self.restore_sources = {consumer_of(i) for i in self.restore_impls}
         # every node the schedule runs again and that drew random numbers in the forward
         # (dropout, dropout inside attention, user randomness) replays them: same masks
         for name in schedule.recomputed():
@@ -374,6 +381,8 @@ class ScheduleExecutor:
             for i, impl in plan.impls.items()
             if impl.grad_in_place
         }
+        # a restore source stays alone too: its state is looked up by its name
+        writes |= {(c, i) for c in self.restore_sources for i in self.plans[c].impls}
         # per input signature, the in-place decisions of a whole step (`_reuse_at`)
         self.reuse_decisions: dict[tuple, dict[tuple[int, int], str]] = {}
         self.set_groups(find_groups(schedule, users, writes) if _GROUPS else [])
@@ -421,14 +430,26 @@ class ScheduleExecutor:
         self.set_groups([])
 
     def _check_schedule(self) -> None:
-        for stage in self.schedule.stages:
+        for si, stage in enumerate(self.schedule.stages):
             for step in stage.steps:
                 plan = self.plans.get(step.node)
                 if plan is None:
                     raise ScheduleRuntimeError(
                         f"schedule stage {stage.name!r} names node {step.node!r}, which this model does not have"
                     )
-                if step.op == "compute" and step.impl not in plan.impls:
+                consumer = consumer_of(step.impl) if step.op == "compute" else None
+                if consumer is not None:
+                    reader = self.plans.get(consumer)
+                    if reader is None or step.node not in {a.name for a in reader.node.all_input_nodes}:
+                        raise ScheduleRuntimeError(
+                            f"schedule restores {step.node!r} from {consumer!r}, which does not read it"
+                        )
+                    if si == 0 or step.grad:
+                        raise ScheduleRuntimeError(
+                            f"schedule restores {step.node!r} in stage {stage.name!r}: restores run in "
+                            "backward stages, without grad"
+                        )
+                elif step.op == "compute" and step.impl not in plan.impls:
                     raise ScheduleRuntimeError(
                         f"schedule asks node {step.node!r} to run implementation {step.impl!r}, "
                         f"not available here (available: {', '.join(plan.impls)})"
@@ -517,6 +538,9 @@ class ScheduleExecutor:
         reuse: str | None = None,
     ) -> None:
         """reuse: 'relu' / 'add' to run the default in place on the first input (`_reuse_at`)."""
+        if impl_name in self.restore_impls:
+            self._restore(run, name, consumer_of(impl_name))
+            return
         plan = self.plans[name]
         impl = plan.impls[impl_name]
         rng_ctx = None
@@ -575,10 +599,23 @@ class ScheduleExecutor:
                         leaves,
                         {name} if impl.grad_in_place else set(),
                         saved,
+                        flat[positions[0]].grad_fn if name in self.restore_sources else None,
                     ),
                 )
         run.flat_len[name] = len(flat)
         run.put_detached(name, flat, spec)
+
+    def _restore(self, run: _StepRun, name: str, consumer: str) -> None:
+        """name's value, unpacked from the copy `consumer`'s backward state keeps."""
+        state = run.states.get(consumer)
+        source = None if state is None else state.packed_by
+        if source is None or not holds_packed_input(source):
+            raise ScheduleRuntimeError(
+                f"schedule restores {name!r} from {consumer!r}'s backward state, which is not held "
+                "or does not keep its input packed (computed with grad and 'zero_packed_input'?)"
+            )
+        run.flat_len[name] = 1
+        run.put_value(name, restored_value(source))
 
     @staticmethod
     def _call(

@@ -166,6 +166,8 @@ def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
         step = steps[k]
         if step.op != "compute":
             continue
+        if step.impl in executor.restore_impls:
+            return None  # (a restore reads a state, not its inputs: the interpreter runs it)
         if step.node in run.env:
             return None  # computed again while its handle is held: the interpreter replaces it
         for arg in executor.plans[step.node].node.all_input_nodes:
