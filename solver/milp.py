@@ -310,11 +310,14 @@ class Formulation:
                     continue
                 ims = an.impls[i]
                 Rs[i] = [
-                    md.var(cost=_recompute_time(ims[m]) + (ims[m].bwd_time if i == t else 0.0))
+                    md.var(cost=an.recompute_time(i, m) + (ims[m].bwd_time if i == t else 0.0))
                     for m in range(nimp[i])
                 ]
                 if i != t:  # restores (`Restore`): after the implementations, from a consumer's state
-                    Rs[i] += [md.var(cost=r.time) for _c, _mc, r in an.restores[i]]
+                    Rs[i] += [
+                        md.var(cost=an.recompute_time(i, m))
+                        for m in range(nimp[i], nimp[i] + len(an.restores[i]))
+                    ]
             self.R.append(Rs)
         self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
         # in-place forwards: y <= x[c] for c in the first list, y <= 1 - x[c] for c in the second
@@ -496,12 +499,7 @@ class Formulation:
                     # or recomputed here, and counts until the last reader of it or of its views
                     for m, c in enumerate(rc):
                         cols.append(c)
-                        work = (
-                            an.impls[i][m].fwd_workspace
-                            if m < nimp[i]
-                            else an.restores[i][m - nimp[i]][2].workspace
-                        )
-                        coefs.append(float(an.a[i] + work))
+                        coefs.append(float(an.a[i] + an.step_workspace(i, m)))
                     self._mem_row(cols, coefs, an.stage_const[s])
             # memory at the backward of t: what is carried to the next stage, plus t's state
             md.tag = ("mem_bwd", s, t)
@@ -1330,11 +1328,6 @@ def _new_highs(highspy, verbose: bool):
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
-
-
-def _recompute_time(impl) -> float:
-    """Forward time of a computation in a backward stage (R columns)."""
-    return impl.fwd_time if impl.recompute_time is None else impl.recompute_time
 
 
 def _ladder(

@@ -234,10 +234,18 @@ class Analysis:
         return self.uinputs[i] if m < self.nimp[i] else []
 
     def recompute_time(self, i: int, m: int) -> float:
+        """Time of recompute entry (i, m): the implementation's `recompute_time` (else its
+        `fwd_time`), or the restore's."""
         if m >= self.nimp[i]:
             return self.restores[i][m - self.nimp[i]][2].time
         im = self.impls[i][m]
         return im.fwd_time if im.recompute_time is None else im.recompute_time
+
+    def step_workspace(self, i: int, m: int) -> int:
+        """Transient bytes of recompute entry (i, m) beyond its output."""
+        if m >= self.nimp[i]:
+            return self.restores[i][m - self.nimp[i]][2].workspace
+        return self.impls[i][m].fwd_workspace
 
     def step_index(self, i: int, name: str) -> int:
         """The recompute-entry index of a compute step's name: an implementation's, or
@@ -449,39 +457,13 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
     by_stage: dict[int, list[int]] = {}
     for i, c in created.items():
         by_stage.setdefault(c, []).append(i)
-    live_states: dict[int, int] = {}
-    kept_count: dict[int, int] = {}
-
-    def add_state(i: int) -> None:
-        m = state_impl[i]
-        live_states[i] = m
-        for b in an.kept_bases[i][m]:
-            kept_count[b] = kept_count.get(b, 0) + 1
-
-    def drop_state(i: int) -> None:
-        m = live_states.pop(i)
-        for b in an.kept_bases[i][m]:
-            kept_count[b] -= 1
-            if not kept_count[b]:
-                del kept_count[b]
-
-    for i in by_stage.get(-1, []):
-        add_state(i)
-    user_sorted = sorted(an.user_held)
+    live_states: dict[int, int] = {i: state_impl[i] for i in by_stage.get(-1, [])}
     for s_in in range(T + 1):  # handles held when stage s_in starts (T: after the last)
         if s_in > 0:
-            t_prev = an.bw[s_in - 1]
-            if t_prev in live_states:
-                drop_state(t_prev)
-            for i in by_stage.get(s_in - 1, []):
-                add_state(i)
+            live_states.pop(an.bw[s_in - 1], None)
+            live_states.update({i: state_impl[i] for i in by_stage.get(s_in - 1, [])})
         if s_in < T:
-            t_in = an.bw[s_in]
-            vals = set(need_into[s_in])
-            vals.update(kept_count)
-            vals.update([an.base[v] for v in vals])
-            vals.update(u for u in user_sorted if u <= t_in)
-            vals = {v for v in vals if v <= t_in}
+            vals = _handed_on(an, need_into[s_in], live_states, an.bw[s_in])
             st = dict(live_states)
         else:
             vals, st = set(), {}
@@ -489,6 +471,18 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
         if s_in > 0:
             stages.append(StagePlan(recompute=rec[s_in - 1], carry_vals=vals, carry_states=st))
     return Plan(impl=list(impl), F=set(F), S0=carried[0], stages=stages)
+
+
+def _handed_on(an: Analysis, vals, states: dict[int, int], upto: int) -> set[int]:
+    """The handles a plan holds when the stage of node `upto` starts: `vals`, the storages the
+    held `states` keep, the bases of all of them (a view holds its base) and the user's values,
+    those up to `upto` (the MILP's S: a storage something holds has its handle held)."""
+    held = set(vals)
+    for i, m in states.items():
+        held.update(an.kept_bases[i][m])
+    held.update([an.base[v] for v in held])
+    held.update(an.user_held)
+    return {v for v in held if v <= upto}
 
 
 def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
@@ -501,14 +495,6 @@ def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
     F: set[int] = set()
     held: set[int] = set()
     states: dict[int, int] = {}
-
-    def handed_on(upto: int) -> set[int]:
-        vals = set(held)
-        for i, m in states.items():
-            vals.update(an.kept_bases[i][m])
-        vals.update([an.base[v] for v in vals])
-        vals.update(an.user_held)
-        return {v for v in vals if v <= upto}
 
     stages: list[StagePlan] = []
     for si, stage in enumerate(schedule.stages):
@@ -531,10 +517,11 @@ def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
             else:  # backward / free_state
                 states.pop(i, None)
         if si == 0:
-            S0 = handed_on(an.n)
+            S0 = _handed_on(an, held, states, an.n)
         else:
             upto = an.bw[si] if si < an.T else -1
-            stages.append(StagePlan(rec, handed_on(upto), {i: m for i, m in states.items() if i <= upto}))
+            carried = {i: m for i, m in states.items() if i <= upto}
+            stages.append(StagePlan(rec, _handed_on(an, held, states, upto), carried))
     return Plan(impl, F, S0, stages)
 
 

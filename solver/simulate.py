@@ -247,11 +247,7 @@ class _Replay:
             key = self._new_copy(node)
         state_bytes = impl.state_bytes if grad else 0
         self._bump(state_bytes + impl.fwd_workspace)
-        old = self.handle.get(node.name)
-        self.handle[node.name] = key
-        self._hold(key, ("h", node.name))
-        if old is not None and old != key:  # recomputing a view of the same copy keeps its hold
-            self._release(old, ("h", node.name))
+        self._take_handle(node.name, key)
         if grad:
             if node.name in self.states:
                 self._drop_state(node.name)
@@ -277,12 +273,16 @@ class _Replay:
             )
         key = self._new_copy(node)
         self._bump(restore.workspace)
-        old = self.handle.get(node.name)
-        self.handle[node.name] = key
-        self._hold(key, ("h", node.name))
-        if old is not None:
-            self._release(old, ("h", node.name))
+        self._take_handle(node.name, key)
         return restore.time
+
+    def _take_handle(self, name: str, key: tuple[str, int]) -> None:
+        """name's handle now holds storage copy `key`; the copy it held before is released."""
+        old = self.handle.get(name)
+        self.handle[name] = key
+        self._hold(key, ("h", name))
+        if old is not None and old != key:  # recomputing a view of the same copy keeps its hold
+            self._release(old, ("h", name))
 
     def _writes_in_place(self, node: Node, impl: Impl, freed_next: frozenset[str]) -> bool:
         if impl.fwd_in_place is None:

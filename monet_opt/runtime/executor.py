@@ -698,9 +698,6 @@ class ScheduleExecutor:
                         calls.setdefault(id(p), set()).add(call)
         self.param_readers = {k: len(v) for k, v in calls.items()}
 
-    def backward(self, run: _StepRun, name: str) -> None:
-        self._backward(run, name)
-
     def _param_read(self, run: _StepRun, param: torch.Tensor, g: torch.Tensor | None) -> None:
         """One backward call reading `param` is done (g: the gradient it made, if any); the
         last one steps the parameter with the sum."""
@@ -714,7 +711,7 @@ class ScheduleExecutor:
             if total is not None:
                 self.param_step(param, total)
 
-    def _backward(self, run: _StepRun, name: str) -> None:
+    def backward(self, run: _StepRun, name: str) -> None:
         group = self.group_of.get(name)
         if group is not None:
             key = self.group_key[name]
