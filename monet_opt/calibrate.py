@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from monet_opt.malloc import freed_memory_kept
 from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
 from monet_opt.restore import consumer_of
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
@@ -133,6 +134,7 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
     meta["in_situ_calibration"] = {k: round(v, 6) for k, v in summary.items()} | {
         "steps": steps,
         "implementations": names,
+        "freed_memory_kept": freed_memory_kept(),
     }
     return dataclasses.replace(problem, nodes=nodes, meta=meta)
 
@@ -245,6 +247,7 @@ def calibrate_on_schedule(
             "recompute_s": round(timer.total(RECOMPUTE) / steps, 6),
             "backward_s": round(sum(bwd.values()), 6),
             "recompute_ratio_median": round(everywhere, 4),
+            "freed_memory_kept": freed_memory_kept(),
         }
     )
     meta["schedule_calibration"] = rounds

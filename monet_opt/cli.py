@@ -55,6 +55,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "lossless): less memory for ReLU networks, but its size follows the data's density, "
         "measured on the example batch",
     )
+    _keep_freed_arg(p)
+
+
+def _keep_freed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed blocks, no fresh pages per step (as a GPU's caching allocator; "
+        "monet_opt.malloc). Calibrate with it when you train or benchmark with it: times differ",
+    )
 
 
 def _spec(args):
@@ -245,11 +255,6 @@ def cmd_bench(args) -> int:
     from solver.schedule import Schedule
 
     s = Schedule.from_json(args.file)
-    if args.keep_freed_memory:
-        from monet_opt.malloc import keep_freed_memory
-
-        if not keep_freed_memory():
-            print("--keep-freed-memory: not glibc, nothing changed", file=sys.stderr)
     res = bench_schedule(s, steps=args.steps)
     print(res.table())
     return 0
@@ -329,11 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("file")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument(
-        "--keep-freed-memory",
-        action="store_true",
-        help="CPU: glibc keeps freed blocks, no fresh pages per step (as a GPU's caching allocator; monet_opt.malloc)",
-    )
+    _keep_freed_arg(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile", help="profile a model: per-node table of implementations and costs")
@@ -347,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if getattr(args, "keep_freed_memory", False):
+        from monet_opt.malloc import keep_freed_memory
+
+        if not keep_freed_memory():
+            print("--keep-freed-memory: not glibc, nothing changed", file=sys.stderr)
     try:
         return args.func(args)
     except KeyboardInterrupt:

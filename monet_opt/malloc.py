@@ -28,6 +28,8 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc rejects larger (HEAP_MAX_SIZE / 2 on 64-bit)
 NO_TRIM = 2**31 - 1  # mallopt takes an int: trim only above 2 GiB free
 
+_applied = False
+
 
 def _libc():
     if not sys.platform.startswith("linux"):
@@ -49,9 +51,17 @@ def keep_freed_memory() -> bool:
     libc = _libc()
     if libc is None:
         return False
+    global _applied
     ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
     ok = libc.mallopt(M_TRIM_THRESHOLD, NO_TRIM) == 1 and ok
+    _applied = _applied or ok
     return ok
+
+
+def freed_memory_kept() -> bool:
+    """Whether `keep_freed_memory()` has been applied in this process (calibrations record it:
+    times measured with and without it differ by the page faults, see the module doc)."""
+    return _applied
 
 
 def page_faults() -> int:

@@ -110,5 +110,32 @@ def test_solve_refine_writes_the_corrected_problem(tmp_path, capsys):
     assert "refine 1/1" in capsys.readouterr().out
     problem, schedule = Problem.from_json(prob_path), Schedule.from_json(sched_path)
     assert len(problem.meta["schedule_calibration"]) == 1
+    assert "freed_memory_kept" in problem.meta["schedule_calibration"][0]
     sim = solver.simulate(problem, schedule)
     assert sim.peak_bytes <= schedule.budget_bytes and sim.time_s == pytest.approx(schedule.predicted_time_s)
+
+
+def test_keep_freed_memory_is_applied_before_calibrating(tmp_path):
+    """`--keep-freed-memory` on solve applies before profiling (in its own process: mallopt is
+    process-wide), and both calibrations record it in the problem."""
+    sched_path, prob_path = tmp_path / "r18.json", tmp_path / "r18_problem.json"
+    args = ["solve", *SMALL, "--budget", "1.0", "--calibrate", "--refine", "1", "--keep-freed-memory"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monet_opt.cli",
+            *args,
+            "-o",
+            str(sched_path),
+            "--problem-out",
+            str(prob_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    meta = Problem.from_json(prob_path).meta
+    kept = sys.platform.startswith("linux")  # glibc's mallopt
+    assert meta["in_situ_calibration"]["freed_memory_kept"] is kept
+    assert [r["freed_memory_kept"] for r in meta["schedule_calibration"]] == [kept]

@@ -102,7 +102,11 @@ def test_registry_first_is_default_and_listing():
         names = [i.name for i in implementations_for(op, target)]
         assert names[0] == "default" and len(set(names)) == len(names)
     assert list(impls("call_module", nn.ReLU())) == ["default", "bitmask", "inplace_grad", "input_activated"]
-    assert list(impls("call_module", nn.MaxPool2d(3, 2, 1))) == ["default", "indices"]
+    assert list(impls("call_module", nn.MaxPool2d(3, 2, 1))) == [
+        "default",
+        "indices",
+        "indices_channels_last",
+    ]
     assert list(impls("call_module", nn.MaxPool2d(2, return_indices=True))) == ["default"]
     bn = nn.BatchNorm2d(3)
     assert list(impls("call_module", bn)) == ["default", "output_activated", "inplace_grad"]
@@ -511,9 +515,56 @@ def test_maxpool_functional_and_unbatched():
     assert isinstance(y, tuple)  # falls back to torch when indices are returned
 
 
+@pytest.mark.parametrize("cfg", POOL_CONFIGS, ids=[str(c) for c in POOL_CONFIGS])
+def test_maxpool_channels_last_chunks_match(cfg, monkeypatch):
+    """Several channels_last chunks (a small chunk size forces 2-3 samples per copy), many ties
+    (a ReLU output: zeros everywhere), an odd batch: values, saved offsets and gradient are the
+    NCHW kernel's, exactly."""
+    import monet_opt.ops.pool as pool_mod
+
+    x0 = torch.relu(torch.randn(7, 4, 23, 31))
+    x0[1, :, :6, :6] = 2.0
+    monkeypatch.setattr(pool_mod, "CHUNK_BYTES", 3 * x0[0].numel() * 4 - 1)
+    pool = nn.MaxPool2d(**cfg)
+    found = impls("call_module", pool)
+    outs, offs = [], []
+    for name in ("indices", "indices_channels_last"):
+        seen = []
+        xi = x0.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, seen=seen: seen.append(t) or t, lambda t: t):
+            y = run(found[name], pool, (xi,))
+        g = torch.arange(y.numel(), dtype=y.dtype).view_as(y)
+        outs.append((y.detach(), grads_of(y, [xi], g)[0]))
+        offs.append(seen[0])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert offs[0].dtype == offs[1].dtype and torch.equal(offs[0], offs[1])
+    assert offs[1].is_contiguous() and outs[1][0].is_contiguous()
+
+
+def test_maxpool_channels_last_offered_for_batched_nchw_only():
+    pool = nn.MaxPool2d(3, 2, 1)
+    assert "indices_channels_last" in [
+        i.name
+        for i in implementations_for("call_module", pool)
+        if i.applies is None or i.applies((torch.ones(2, 3, 8, 8),), {})
+    ]
+    for x in (torch.ones(3, 8, 8), torch.ones(2, 8, 8, 3).permute(0, 3, 1, 2)):
+        offered = [
+            i.name
+            for i in implementations_for("call_module", pool)
+            if i.applies is None or i.applies((x,), {})
+        ]
+        assert offered == ["default", "indices"]
+    # the runtime runs a named implementation anywhere: on unbatched input it is torch's NCHW path
+    x = torch.randn(3, 10, 10, requires_grad=True)
+    y = run(impls("call_module", pool)["indices_channels_last"], pool, (x,))
+    assert torch.equal(y, pool(x))
+
+
 def test_maxpool_indices_gradcheck():
     x = torch.randperm(2 * 2 * 7 * 7, dtype=torch.float64).view(2, 2, 7, 7).div(10).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: max_pool2d_indices(t, 3, 2, 1), (x,))
+    assert torch.autograd.gradcheck(lambda t: max_pool2d_indices(t, 3, 2, 1, channels_last=True), (x,))
 
 
 def test_maxpool_indices_saves_less():
