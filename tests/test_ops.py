@@ -224,6 +224,20 @@ def test_relu_implementations_match(op, target):
         assert torch.equal(xi, x0.clone().requires_grad_()) or torch.equal(xi.nan_to_num(), x0.nan_to_num())
 
 
+@pytest.mark.parametrize("numel", [8 * 4096 * 3 + 5, 1000])  # chunked (odd tail) and whole
+def test_relu_bitmask_backward_is_torchs_with_inf_and_nan_gradients(numel):
+    x = torch.randn(numel)
+    x[:40] = 0.0
+    g = torch.randn(numel)
+    g[::97] = float("nan")  # at kept and at masked positions
+    g[5::89] = float("inf")
+    ref = torch.ops.aten.threshold_backward(g, torch.relu(x), 0)
+    xi = x.clone().requires_grad_()
+    (gi,) = grads_of(relu_bitmask(xi), [xi], g)
+    assert torch.equal(gi.isnan(), ref.isnan()) and torch.equal(gi.nan_to_num(), ref.nan_to_num())
+    assert gi.isnan().any() and gi.isinf().any()
+
+
 def test_relu_bitmask_gradcheck():
     x = torch.randn(3, 11, dtype=torch.float64)
     x = (x + 0.05 * x.sign()).requires_grad_()  # keep away from the kink
