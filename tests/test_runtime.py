@@ -367,6 +367,20 @@ def test_relu_and_add_run_in_place_only_when_nothing_else_needs_their_input():
     check_schedule("resnet18", schedule)  # gradients equal, peak as predicted
 
 
+def test_stem_bitmask_relu_and_channels_last_max_pool_in_a_wrapped_resnet():
+    """ResNet's stem ReLU keeping a bit mask, its max pool run on channels_last copies: the
+    plain model's gradients and running statistics, the predicted peak, with nothing recomputed
+    and with sqrt(n) segments (which recompute both)."""
+    _, _, problem = setup("resnet18")
+    pick = {"relu": "bitmask", "maxpool": "indices_channels_last"}
+    for name, impl in pick.items():
+        assert impl in [im.name for im in problem.node(name).impls], name
+    check_schedule("resnet18", baselines.no_recompute(problem, impls=pick))
+    recomputing = baselines.chen_sqrt(problem, impls=pick)
+    assert {"relu", "maxpool"} <= set(recomputing.recomputed())
+    check_schedule("resnet18", recomputing)
+
+
 def test_in_place_decisions_are_made_once_per_input_signature():
     """The first step decides which ReLU / add steps run in place (tracking which storages
     backward states saved); later steps with inputs of the same shape, dtype and gradient need
