@@ -262,15 +262,16 @@ def cmd_bench(args) -> int:
 
 def cmd_profile(args) -> int:
     spec, model, inputs, problem = _problem(args)
+    w = max([18] + [len(im.name) for n in problem.nodes for im in n.impls])
     print(
-        f"{'node':<28} {'op':<22} {'out':>9} {'impl':<18} {'fwd ms':>8} {'bwd ms':>8} {'keeps':<14} {'state':>9}"
+        f"{'node':<28} {'op':<22} {'out':>9} {'impl':<{w}} {'fwd ms':>8} {'bwd ms':>8} {'keeps':<14} {'state':>9}"
     )
     for n in problem.nodes:
         for k, impl in enumerate(n.impls):
             keeps = ",".join([f"in{p}" for p in impl.keeps_inputs] + (["out"] if impl.keeps_output else []))
             print(
                 f"{n.name if k == 0 else '':<28} {n.op if k == 0 else '':<22} "
-                f"{_mib(n.output_bytes) if k == 0 else '':>9} {impl.name:<18} {impl.fwd_time * 1e3:8.3f} "
+                f"{_mib(n.output_bytes) if k == 0 else '':>9} {impl.name:<{w}} {impl.fwd_time * 1e3:8.3f} "
                 f"{impl.bwd_time * 1e3:8.3f} {keeps:<14} {_mib(impl.state_bytes):>9}"
             )
     if args.output:

@@ -1358,7 +1358,7 @@ def _ladder(
     best_index = -1
     best_form = None
     attempts: list[dict] = []
-    results: list[tuple] = []  # (window, MilpResult, warm start accepted)
+    results: list[tuple] = []  # (window, MilpResult, the Formulation it solved)
     last = None
 
     def accept(plan, objective: float, index: int) -> bool:
@@ -1429,7 +1429,7 @@ def _ladder(
             stall_s=None if budget_bytes is None else STALL_SHARE * share * remaining,
         )
         last = (w, res)
-        results.append((w, res, warm is not None))
+        results.append((w, res, form))
         attempts.append(_attempt(what, w, res))
         log(
             verbose,
@@ -1459,7 +1459,7 @@ def _ladder(
                 warm=best_form.plan_to_vector(best[2]),
                 verbose=verbose,
             )
-            results.append((best_form.window, res, True))
+            results.append((best_form.window, res, best_form))
             attempts.append({**_attempt(what, best_form.window, res), "after_polishing": True})
             log(
                 verbose,
@@ -1468,18 +1468,26 @@ def _ladder(
             )
             if res.plan is not None:
                 accept(res.plan, res.objective, len(results) - 1)
-    # the tightest proven gap for the best plan: from the MILP that found it, or a later (wider)
-    # one that had it as an accepted warm start (so the plan lies in that MILP's feasible set)
+    # the tightest proven gap for the best plan: the best bound of any MILP run whose feasible set
+    # holds the plan (the MILP that found it, a wider one it warm-started, the same MILP run again
+    # after polishing, or an earlier run of that MILP: each run's bound holds for all its points)
     proven = None
     if best is not None:
-        obj = best[1]
-        for k, (w, res, warm_ok) in enumerate(results):
-            if k < best_index or (k > best_index and not warm_ok) or res.dual_bound is None:
+        obj, plan = best[1], best[2]
+        for w, res, form in results:
+            if res.dual_bound is None or not _holds(form, plan, obj):
                 continue
             gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
-            if proven is None or gap <= proven[1]:
+            if proven is None or gap < proven[1]:
                 proven = (w, gap, res.status)
     return _LadderResult(best[:3] if best else None, last, attempts, proven)
+
+
+def _holds(form: Formulation, plan: Plan, objective: float) -> bool:
+    """Whether `plan` is a feasible point of `form`'s MILP, at `objective` (a plan that needs
+    columns the MILP lacks violates its rows, or costs something else there)."""
+    x = form.plan_to_vector(plan)
+    return not form.violations(x) and abs(form.objective(x) - objective) <= 1e-6 * max(1.0, abs(objective))
 
 
 def _attempt(what: str, window: int | None, res: MilpResult) -> dict:

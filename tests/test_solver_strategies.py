@@ -11,7 +11,7 @@ import pytest
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
 from solver import baselines as B
 from solver.baselines import plan_of
-from solver.milp import Formulation, window_ladder
+from solver.milp import Formulation, _holds, window_ladder
 from solver.plan import Analysis, to_schedule
 from solver.schedule import SolverInfo
 from solver.synthetic import chain, problem_zoo, random_dag, resnet, with_step_in_backward
@@ -121,6 +121,24 @@ def test_milp_rows_are_exact_for_policy_plans(name, step, window):
         assert not form.violations(x), (s.strategy, [form.md.r_tag[r] for r in form.violations(x)][:3])
         below = Formulation(an, peak - 1, window=window, warm_plan=plan)
         assert below.violations(below.plan_to_vector(plan)), "MILP accepts a plan over budget"
+
+
+def test_a_bound_counts_only_for_milps_that_hold_the_plan():
+    """The reported gap takes the bound of a HiGHS run only if the best plan is a point of that
+    run's MILP at the plan's objective: not a narrower window's MILP that lacks its columns, not a
+    tighter budget's, not at another objective."""
+    p = resnet(50)
+    an = B.analysis(p)
+    s = B.chen_sqrt(p)
+    plan = B.plan_of(p, s)
+    t = s.predicted_time_s
+    assert s.recomputed()
+    around = Formulation(an, s.predicted_peak_bytes, window=1, warm_plan=plan)
+    assert _holds(around, plan, t)
+    assert not _holds(around, plan, t * 1.01)
+    assert not _holds(Formulation(an, s.predicted_peak_bytes, window=1), plan, t)
+    assert not _holds(Formulation(an, s.predicted_peak_bytes - 1, window=1, warm_plan=plan), plan, t)
+    assert _holds(Formulation(an, s.predicted_peak_bytes, window=None), plan, t)
 
 
 def test_window_ladder():
