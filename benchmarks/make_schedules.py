@@ -1,7 +1,7 @@
 """Make the schedules shipped in `schedules/`: profile, solve, and measure each on this machine.
 
     python benchmarks/make_schedules.py                      # the shipped set
-    python benchmarks/make_schedules.py --only resnet50 --batch 8 --budgets 0.5
+    python benchmarks/make_schedules.py --only resnet50 --batch 8 --budgets 0.5 --keep-freed-memory
 
 Each schedule's meta records the device, torch version, date, the prediction, and the
 peak and step time measured for it and for plain PyTorch in the same run.
@@ -19,6 +19,7 @@ import torch
 
 import solver
 from monet_opt.bench import bench_model
+from monet_opt.malloc import keep_freed_memory
 from monet_opt.pipeline import no_recompute_peak
 from monet_opt.profile import build_problem
 from monet_opt.zoo import ModelSpec
@@ -103,7 +104,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help="only the shipped sizes with this batch")
     ap.add_argument("--steps", type=int, default=7, help="interleaved timed steps (median)")
     ap.add_argument("--cached-profile", action="store_true", help="reuse the profile cache")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="keep freed memory in the process (glibc; as a GPU's caching allocator does) before profiling",
+    )
     args = ap.parse_args()
+    if args.keep_freed_memory and not keep_freed_memory():
+        raise SystemExit("--keep-freed-memory: this C library's malloc cannot be tuned (glibc only)")
     budgets = [float(b) for b in args.budgets.split(",")]
     specs = [
         s

@@ -58,6 +58,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _keep_freed_arg(p)
 
 
+def _milp_solver_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--milp-solver",
+        choices=("highs", "gurobi"),
+        default="highs",
+        help="MILP backend (default highs; gurobi needs gurobipy and a licence for the model's size)",
+    )
+
+
 def _keep_freed_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-freed-memory",
@@ -141,6 +150,9 @@ def cmd_solve(args) -> int:
     from monet_opt.pipeline import parse_budget, solve_model
 
     budget = parse_budget(args.budget)
+    from solver.milp import check_backend
+
+    check_backend(args.milp_solver)  # before profiling
     spec, model, inputs, problem = _problem(args)
     if args.problem_out:
         problem.to_json(args.problem_out)
@@ -153,6 +165,7 @@ def cmd_solve(args) -> int:
         problem=problem,
         optimizer=getattr(args, "step_in_backward", None),
         refine=args.refine,
+        milp_solver=args.milp_solver,
     )
     if args.problem_out and args.refine:
         problem.to_json(args.problem_out)  # the corrected costs the schedule was solved on
@@ -167,12 +180,20 @@ def cmd_sweep(args) -> int:
     from monet_opt.pipeline import parse_budget, sweep_model
 
     budgets = [parse_budget(b) for b in args.budgets.split(",")]
+    from solver.milp import check_backend
+
+    check_backend(args.milp_solver)  # before profiling
     spec, model, inputs, problem = _problem(args)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     # tightest budget first, each solve starting from the tighter plan (printed in the order given)
-    for b, schedule in zip(budgets, sweep_model(problem, budgets, time_limit=args.time_limit, verbose=False)):
+    for b, schedule in zip(
+        budgets,
+        sweep_model(
+            problem, budgets, time_limit=args.time_limit, verbose=False, milp_solver=args.milp_solver
+        ),
+    ):
         if isinstance(schedule, Exception):
             exc = schedule
             print(f"budget {b}: {exc}")
@@ -317,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         help="rounds of: run the schedule, correct the costs by what its nodes took there, solve again "
         "(each round one --time-limit; --problem-out then holds the last corrected problem)",
     )
+    _milp_solver_arg(p)
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("sweep", help="solve for several budgets; write schedules and summary.csv")
@@ -324,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="1.0,0.75,0.5,0.33,0.25")
     p.add_argument("-o", "--output", required=True, help="output folder")
     p.add_argument("--time-limit", type=float, default=60.0)
+    _milp_solver_arg(p)
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("inspect", help="print a schedule as a table")

@@ -65,13 +65,16 @@ def solve_model(
     optimizer: Any = None,
     zero_pack: bool = False,
     refine: int = 0,
+    milp_solver: str = "highs",
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
     step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`).
     zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`).
     refine: that many rounds of running the schedule found, correcting the problem's times by
     what its nodes took there (`monet_opt.calibrate.calibrate_on_schedule`) and solving again from
-    it (`time_limit` each); the problem returned is the last corrected one."""
+    it (`time_limit` each); the problem returned is the last corrected one.
+    milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`)."""
+    solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     problem = problem or build_problem(
@@ -79,12 +82,12 @@ def solve_model(
     )
     budget = parse_budget(budget)
     if budget == "min":
-        schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
+        schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose, solver=milp_solver)
     else:
-        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose)
+        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose, solver=milp_solver)
     if refine:
         problem, schedule = refine_schedule(
-            model, example_inputs, problem, schedule, refine, time_limit, verbose, optimizer
+            model, example_inputs, problem, schedule, refine, time_limit, verbose, optimizer, milp_solver
         )
     return problem, _with_problem_meta(problem, schedule)
 
@@ -98,6 +101,7 @@ def refine_schedule(
     time_limit: float = 60.0,
     verbose: bool = True,
     optimizer: Any = None,
+    milp_solver: str = "highs",
 ) -> tuple[Problem, Schedule]:
     """`rounds` times: run `schedule`, correct the problem's times by what its nodes took there
     (`monet_opt.calibrate.calibrate_on_schedule`), and solve the corrected problem again for the
@@ -112,12 +116,18 @@ def refine_schedule(
             print(f"refine {k + 1}/{rounds}: timing the schedule's nodes in its own steps", flush=True)
         problem = calibrate_on_schedule(model, example_inputs, problem, schedule, optimizer=optimizer)
         start = plan_of(problem, schedule)
-        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose, start_plan=start)
+        schedule = solver.solve(
+            problem, budget, time_limit=time_limit, verbose=verbose, start_plan=start, solver=milp_solver
+        )
     return problem, _with_problem_meta(problem, schedule)
 
 
 def sweep_model(
-    problem: Problem, budgets: list, time_limit: float = 60.0, verbose: bool = True
+    problem: Problem,
+    budgets: list,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    milp_solver: str = "highs",
 ) -> list[Schedule | ValueError]:
     """One schedule per budget (parsed as `parse_budget`; 'min' is solved alone), through
     `solver.sweep`: tightest first, so a looser budget's schedule is never slower. Each entry is
@@ -125,13 +135,17 @@ def sweep_model(
     parsed = [parse_budget(b) for b in budgets]
     sized = [k for k, b in enumerate(parsed) if b != "min"]
     out: list = [None] * len(parsed)
-    found = solver.sweep(problem, [parsed[k] for k in sized], time_limit=time_limit, verbose=verbose)
+    found = solver.sweep(
+        problem, [parsed[k] for k in sized], time_limit=time_limit, verbose=verbose, solver=milp_solver
+    )
     for k, result in zip(sized, found):
         out[k] = result
     for k, b in enumerate(parsed):
         if b == "min":
             try:
-                out[k] = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose)
+                out[k] = solver.minimum_peak(
+                    problem, time_limit=time_limit, verbose=verbose, solver=milp_solver
+                )
             except ValueError as exc:
                 out[k] = exc
     return [r if isinstance(r, Exception) else _with_problem_meta(problem, r) for r in out]

@@ -9,12 +9,14 @@ print(solver.simulate(problem, schedule).peak_bytes)
 from solver import baselines  # noqa: E402  (after the contract types it uses)
 from solver.baselines import best_baseline, checkpoint_all, chen_sqrt, greedy, no_recompute
 from solver.bounds import min_feasible_lower_bound
+from solver.gurobi_milp import GurobiUnavailable
 from solver.milp import InfeasibleBudget, NoScheduleFound, minimum_peak, resolve_budget, solve, sweep
 from solver.problem import Impl, Node, Problem, ProblemError, Restore
 from solver.schedule import FingerprintMismatch, Schedule, ScheduleError, SolverInfo, Stage, Step
 from solver.simulate import ScheduleInvalid, SimResult, simulate
 
 __all__ = [
+    "GurobiUnavailable",
     "InfeasibleBudget",
     "NoScheduleFound",
     "baselines",

@@ -194,6 +194,7 @@ class Formulation:
             {"mip_heuristic_effort": 0.7} if budget is None else {"mip_heuristic_effort": 0.3}
         )
         self.stop_at_objective: float | None = None  # peak mode: stop once a plan's peak (MiB) is <= this
+        self.backend = "highs"  # or "gurobi" (`solver.gurobi_milp`): what `solve_milp` runs
         self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
         self._build()
@@ -753,6 +754,14 @@ class Formulation:
         return float(np.asarray(self.md.cost) @ x)
 
     # ------------------------------------------------------------------------------------------
+    def solve_milp(self, time_limit: float, **kw) -> MilpResult:
+        """This MILP, solved by `self.backend`: `solve_highs`'s arguments and result."""
+        if self.backend == "gurobi":
+            from solver.gurobi_milp import solve_formulation
+
+            return solve_formulation(self, time_limit, **kw)
+        return self.solve_highs(time_limit, **kw)
+
     def solve_highs(
         self,
         time_limit: float,
@@ -790,20 +799,10 @@ class Formulation:
         lp = highspy.HighsLp()
         lp.num_col_ = self.n_cols
         lp.num_row_ = self.n_rows
-        col_lower = np.asarray(md.lb, dtype=float)
-        col_upper = np.asarray(md.ub, dtype=float)
-        if fixed:
-            cols = np.fromiter(fixed.keys(), dtype=int, count=len(fixed))
-            vals = np.fromiter(fixed.values(), dtype=float, count=len(fixed))
-            col_lower[cols] = vals
-            col_upper[cols] = vals
-        A = self.matrix()
-        A.sort_indices()
-        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), self.peak_col)
-        A, r_lo, r_hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
+        scaled, A, r_lo, r_hi, col_lower, col_upper = self.scaled_model(fixed)
         lp.col_cost_ = scaled.cost
-        lp.col_lower_ = scaled.to_model(col_lower)
-        lp.col_upper_ = scaled.to_model(col_upper)
+        lp.col_lower_ = col_lower
+        lp.col_upper_ = col_upper
         lp.row_lower_ = r_lo
         lp.row_upper_ = r_hi
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
@@ -881,29 +880,64 @@ class Formulation:
             status = "time_limit"
         else:
             status = status_name.replace(" ", "_")
+        has_sol = has_sol or (relax and status == "optimal")
+        x_model = np.asarray(h.getSolution().col_value) if has_sol else None
+        own_gap = float(info.mip_gap) if status == "optimal" and np.isfinite(info.mip_gap) else None
+        return self.result(status, scaled, x_model, float(info.mip_dual_bound), solve_time, relax, own_gap)
+
+    def scaled_model(self, fixed: dict[int, float] | None = None):
+        """The model as a backend gets it (`_Scaling`'s units): (scaling, A (CSC, sorted), row
+        lower, row upper, column lower, column upper); `fixed` columns held at their values."""
+        md = self.md
+        col_lower = np.asarray(md.lb, dtype=float)
+        col_upper = np.asarray(md.ub, dtype=float)
+        if fixed:
+            cols = np.fromiter(fixed.keys(), dtype=int, count=len(fixed))
+            vals = np.fromiter(fixed.values(), dtype=float, count=len(fixed))
+            col_lower[cols] = vals
+            col_upper[cols] = vals
+        A = self.matrix()
+        A.sort_indices()
+        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), self.peak_col)
+        A, r_lo, r_hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
+        return scaled, A, r_lo, r_hi, scaled.to_model(col_lower), scaled.to_model(col_upper)
+
+    def result(
+        self,
+        status: str,
+        scaled: _Scaling,
+        x_model: np.ndarray | None,
+        bound_model: float,
+        solve_time: float,
+        relax: bool = False,
+        own_gap: float | None = None,
+    ) -> MilpResult:
+        """A backend's run as a `MilpResult` in this formulation's units. x_model: the solution
+        vector in model units (None: no solution); bound_model: the backend's dual bound (model
+        units); own_gap: the backend's own gap when it proved optimality (may be below ours)."""
         plan = obj = gap = bound = x = None
         if relax:
-            if has_sol or status == "optimal":
-                x = scaled.from_model(np.asarray(h.getSolution().col_value))
+            if x_model is not None:
+                x = scaled.from_model(np.asarray(x_model, dtype=float))
                 obj = self.objective(x)
             return MilpResult(
                 None, status, obj, obj, None, solve_time, self.build_time_s, self.n_cols, self.n_rows, x
             )
-        if has_sol:
-            x = scaled.from_model(np.asarray(h.getSolution().col_value))
+        if x_model is not None:
+            x = scaled.from_model(np.asarray(x_model, dtype=float))
             plan = self.vector_to_plan(x)
             # from the solution itself: when the incumbent is the warm start, HiGHS 1.16 reports
             # its presolved model's objective (ResNet-50 b8 224 at 0.4: 1.9005 for a 1.9036 plan)
             obj = self.objective(x)
-            bound = float(info.mip_dual_bound) / scaled.cost_factor
-            # a bound HiGHS may not have reached yet: every node runs forward once and every
+            bound = bound_model / scaled.cost_factor
+            # a bound the backend may not have reached yet: every node runs forward once and every
             # backward once, each with its fastest implementation
             trivial = self.trivial_time_bound() if self.peak_col is None else 0.0
             if not np.isfinite(bound) or bound < trivial:
                 bound = trivial
             gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
-            if status == "optimal":
-                gap = min(gap, float(info.mip_gap)) if np.isfinite(info.mip_gap) else gap
+            if own_gap is not None:
+                gap = min(gap, own_gap)
         elif status != "infeasible":
             status = "no_solution"
         return MilpResult(
@@ -993,6 +1027,21 @@ class NoScheduleFound(InfeasibleBudget):
     """The budget is above the lower bound, but no schedule was found within the time limit."""
 
 
+MILP_BACKENDS = ("highs", "gurobi")
+_BACKEND_NAMES = {"highs": "HiGHS", "gurobi": "Gurobi"}
+
+
+def check_backend(solver: str) -> None:
+    """`solver` names a MILP backend this machine can run (`solver.gurobi_milp.GurobiUnavailable`
+    when Gurobi is asked for and gurobipy or its licence is missing)."""
+    if solver not in MILP_BACKENDS:
+        raise ValueError(f"solver {solver!r} is not supported: one of {', '.join(MILP_BACKENDS)}")
+    if solver == "gurobi":
+        from solver.gurobi_milp import check_available
+
+        check_available()
+
+
 def resolve_budget(problem, budget) -> int:
     """Bytes from an int, or from a float in (0, 1] (fraction of the no-recompute peak)."""
     from solver.baselines import no_recompute
@@ -1027,8 +1076,8 @@ def _solve(
 
     t_start = time.perf_counter()
     deadline = t_start + float(time_limit)
-    if solver != "highs":
-        raise ValueError(f"solver {solver!r} is not supported (only 'highs' is implemented)")
+    check_backend(solver)
+    name = f"{solver}-milp"
     budget_bytes = resolve_budget(problem, budget)
     lb = min_feasible_lower_bound(problem)
     if budget_bytes < lb:
@@ -1082,7 +1131,7 @@ def _solve(
     start = None  # start_plan's schedule, if it fits
 
     def from_start(status: str):
-        info = SolverInfo(name="highs-milp", status=status, solve_time_s=time.perf_counter() - t_start)
+        info = SolverInfo(name=name, status=status, solve_time_s=time.perf_counter() - t_start)
         return dataclasses.replace(start, solver=info), start_plan
 
     if start_plan is not None:
@@ -1101,7 +1150,17 @@ def _solve(
         # a tight gap: it stops at the first plan under the budget anyway, and a 1 % gap on
         # the peak can stop it just above the budget
         low = _ladder(
-            problem, an, None, window, _lowest_plan(problem), t_peak, 0.001, threads, verbose, budget_bytes
+            problem,
+            an,
+            None,
+            window,
+            _lowest_plan(problem),
+            t_peak,
+            0.001,
+            threads,
+            verbose,
+            budget_bytes,
+            backend=solver,
         )
         if low.best is not None:
             low_peak = low.best[0].predicted_peak_bytes
@@ -1130,6 +1189,7 @@ def _solve(
         threads,
         verbose,
         alternates=alternates,
+        backend=solver,
     )
     best, last, attempts = lad.best, lad.last, lad.attempts
     elapsed = time.perf_counter() - t_start
@@ -1149,7 +1209,7 @@ def _solve(
             # the time MILP found nothing in the time left: the plan it started from (the peak
             # MILP's, or start_plan) fits
             info = SolverInfo(
-                name="highs-milp", status=f"fallback:warm-start plan ({last_status})", solve_time_s=elapsed
+                name=name, status=f"fallback:warm-start plan ({last_status})", solve_time_s=elapsed
             )
             sched = to_schedule(an, warm_plan, "milp", info, budget_bytes)
             if simulate(problem, sched).peak_bytes <= budget_bytes:
@@ -1166,7 +1226,7 @@ def _solve(
         gap = max(0.0, (obj - bound) / obj) if obj and obj > 0 else 0.0
         status = "time_limit"
     scope = "unbounded" if w_last is None else f"{w_last} nodes"
-    info = SolverInfo(name="highs-milp", status=status, gap=gap, solve_time_s=elapsed)
+    info = SolverInfo(name=name, status=status, gap=gap, solve_time_s=elapsed)
     meta = {
         "milp_objective": obj,
         "milp_dual_bound": bound,
@@ -1238,7 +1298,14 @@ def sweep(problem, budgets, time_limit: float = 60.0, verbose: bool = True, **kw
     return out
 
 
-def minimum_peak(problem, time_limit: float = 60.0, verbose: bool = True, window="auto", threads: int = 2):
+def minimum_peak(
+    problem,
+    time_limit: float = 60.0,
+    verbose: bool = True,
+    window="auto",
+    threads: int = 2,
+    solver: str = "highs",
+):
     """The fastest schedule at the smallest peak the MILP finds within `time_limit`.
 
     Half the time minimises the peak (recompute windows widening as in `solve`), the
@@ -1251,8 +1318,18 @@ def minimum_peak(problem, time_limit: float = 60.0, verbose: bool = True, window
     t_start = time.perf_counter()
     an = analysis(problem)
     lb = min_feasible_lower_bound(problem)
+    check_backend(solver)
     low = _ladder(
-        problem, an, None, window, _lowest_plan(problem), t_start + 0.5 * time_limit, 0.001, threads, verbose
+        problem,
+        an,
+        None,
+        window,
+        _lowest_plan(problem),
+        t_start + 0.5 * time_limit,
+        0.001,
+        threads,
+        verbose,
+        backend=solver,
     )
     if low.best is None:
         known, name = min_known_peak(problem)
@@ -1271,6 +1348,7 @@ def minimum_peak(problem, time_limit: float = 60.0, verbose: bool = True, window
         window=window,
         threads=threads,
         start_plan=start,
+        solver=solver,
     )
     meta = {
         "lower_bound_bytes": lb,
@@ -1342,6 +1420,7 @@ def _ladder(
     verbose,
     stop_at_peak=None,
     alternates=(),
+    backend: str = "highs",
 ) -> _LadderResult:
     """Widen the recompute window while time remains; each MILP starts from the best plan so far.
     budget_bytes=None minimises the peak (best = smallest simulated peak, then time).
@@ -1365,7 +1444,7 @@ def _ladder(
         """Keep `plan` if it replays, fits, and beats the best so far."""
         nonlocal best, best_index
         try:
-            sched = to_schedule(an, plan, "milp", SolverInfo(name="highs-milp"), budget_bytes)
+            sched = to_schedule(an, plan, "milp", SolverInfo(name=f"{backend}-milp"), budget_bytes)
             sim = simulate(problem, sched)
         except (PlanError, ScheduleInvalid) as exc:
             log(verbose, f"MILP solution did not replay: {exc}")
@@ -1388,6 +1467,7 @@ def _ladder(
         form, warm = None, None
         for k, cand in enumerate(candidates):  # the fastest plan the window's rows accept
             built = Formulation(an, budget_bytes, window=w, warm_plan=cand)
+            built.backend = backend
             form = form or built
             vec = built.plan_to_vector(cand)
             bad = built.violations(vec)
@@ -1397,6 +1477,7 @@ def _ladder(
             log(verbose, f"warm start {k + 1} violates {len(bad)} rows of the window-{w} MILP; not used")
         if form is None:
             form = Formulation(an, budget_bytes, window=w, warm_plan=None)
+            form.backend = backend
         if stop_at_peak is not None:
             form.stop_at_objective = stop_at_peak / 2**20
         log(
@@ -1420,7 +1501,7 @@ def _ladder(
                 break
         # time mode keeps a share for polishing the incumbent if this MILP runs out of time
         share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
-        res = form.solve_highs(
+        res = form.solve_milp(
             max(0.5, share * remaining),
             mip_gap=mip_gap,
             threads=threads,
@@ -1433,7 +1514,7 @@ def _ladder(
         attempts.append(_attempt(what, w, res))
         log(
             verbose,
-            f"HiGHS ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
+            f"{_BACKEND_NAMES[form.backend]} ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
             f"gap {res.gap}, {res.solve_time_s:.1f} s",
         )
         if res.plan is not None and accept(res.plan, res.objective, len(results) - 1):
@@ -1452,7 +1533,7 @@ def _ladder(
             # polishing stopped improving with time to spare: HiGHS again on the same MILP, from
             # the polished plan, for the rest of the time (its bound tightens the proven gap; it
             # may still find a better plan)
-            res = best_form.solve_highs(
+            res = best_form.solve_milp(
                 remaining,
                 mip_gap=mip_gap,
                 threads=threads,
@@ -1463,7 +1544,7 @@ def _ladder(
             attempts.append({**_attempt(what, best_form.window, res), "after_polishing": True})
             log(
                 verbose,
-                f"HiGHS again after polishing (window {best_form.window}): {res.status}, objective "
+                f"{_BACKEND_NAMES[backend]} again after polishing (window {best_form.window}): {res.status}, objective "
                 f"{res.objective}, bound {res.dual_bound}, {res.solve_time_s:.1f} s",
             )
             if res.plan is not None:
@@ -1516,7 +1597,7 @@ def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose:
     remaining = deadline - time.perf_counter()
     if remaining < 2.0:
         return None
-    lp = form.solve_highs(RINS_LP_SHARE * remaining, threads=threads, relax=True)
+    lp = form.solve_milp(RINS_LP_SHARE * remaining, threads=threads, relax=True)
     if lp.x is None or lp.status != "optimal":
         log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
         return None
@@ -1533,7 +1614,7 @@ def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose:
             break
         agree = integer[np.abs(lp.x[integer] - x[integer]) < 1e-6]
         fixed = {int(c): float(round(x[c])) for c in agree}
-        res = form.solve_highs(
+        res = form.solve_milp(
             min(remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
         )
         if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
@@ -1583,7 +1664,7 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
             nodes = range(max(0, min(ts) - POLISH_SPAN), max(ts) + 1)
             free = form.band_columns(stages, nodes)
             fixed = {int(c): float(round(x[c])) for c in integer if c not in free}
-            res = form.solve_highs(
+            res = form.solve_milp(
                 min(remaining, POLISH_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
             )
             if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
