@@ -148,10 +148,9 @@ def _summary(problem, schedule) -> str:
 
 def cmd_solve(args) -> int:
     from monet_opt.pipeline import parse_budget, solve_model
-
-    budget = parse_budget(args.budget)
     from solver.milp import check_backend
 
+    budget = parse_budget(args.budget)
     check_backend(args.milp_solver)  # before profiling
     spec, model, inputs, problem = _problem(args)
     if args.problem_out:
@@ -178,10 +177,9 @@ def cmd_solve(args) -> int:
 
 def cmd_sweep(args) -> int:
     from monet_opt.pipeline import parse_budget, sweep_model
-
-    budgets = [parse_budget(b) for b in args.budgets.split(",")]
     from solver.milp import check_backend
 
+    budgets = [parse_budget(b) for b in args.budgets.split(",")]
     check_backend(args.milp_solver)  # before profiling
     spec, model, inputs, problem = _problem(args)
     out = Path(args.output)

@@ -181,7 +181,12 @@ class Formulation:
     """
 
     def __init__(
-        self, an: Analysis, budget: int | None, window: int | None = None, warm_plan: Plan | None = None
+        self,
+        an: Analysis,
+        budget: int | None,
+        window: int | None = None,
+        warm_plan: Plan | None = None,
+        backend: str = "highs",
     ) -> None:
         self.an = an
         self.budget = None if budget is None else int(budget)  # None: minimise the peak instead
@@ -194,7 +199,7 @@ class Formulation:
             {"mip_heuristic_effort": 0.7} if budget is None else {"mip_heuristic_effort": 0.3}
         )
         self.stop_at_objective: float | None = None  # peak mode: stop once a plan's peak (MiB) is <= this
-        self.backend = "highs"  # or "gurobi" (`solver.gurobi_milp`): what `solve_milp` runs
+        self.backend = backend  # "highs" or "gurobi" (`solver.gurobi_milp`): what `solve_milp` runs
         self.var_from = self._var_from(window, warm_plan)
         t0 = time.perf_counter()
         self._build()
@@ -1466,8 +1471,7 @@ def _ladder(
         candidates = [p for p in (warm_plan, *alternates) if p is not None]
         form, warm = None, None
         for k, cand in enumerate(candidates):  # the fastest plan the window's rows accept
-            built = Formulation(an, budget_bytes, window=w, warm_plan=cand)
-            built.backend = backend
+            built = Formulation(an, budget_bytes, window=w, warm_plan=cand, backend=backend)
             form = form or built
             vec = built.plan_to_vector(cand)
             bad = built.violations(vec)
@@ -1476,8 +1480,7 @@ def _ladder(
                 break
             log(verbose, f"warm start {k + 1} violates {len(bad)} rows of the window-{w} MILP; not used")
         if form is None:
-            form = Formulation(an, budget_bytes, window=w, warm_plan=None)
-            form.backend = backend
+            form = Formulation(an, budget_bytes, window=w, warm_plan=None, backend=backend)
         if stop_at_peak is not None:
             form.stop_at_objective = stop_at_peak / 2**20
         log(

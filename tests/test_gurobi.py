@@ -65,8 +65,7 @@ def test_gurobi_warm_start_and_fixed_columns_are_honoured():
     an = B.analysis(p)
     s = B.chen_sqrt(p)
     plan = B.plan_of(p, s)
-    form = Formulation(an, s.predicted_peak_bytes, window=None, warm_plan=plan)
-    form.backend = "gurobi"
+    form = Formulation(an, s.predicted_peak_bytes, window=None, warm_plan=plan, backend="gurobi")
     x = form.plan_to_vector(plan)
     fixed = {c: float(x[c]) for c, isint in enumerate(form.md.integer) if isint}
     res = form.solve_milp(20.0, warm=x, fixed=fixed)
