@@ -19,7 +19,9 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   recompute needs its inputs  R[s,i] <= S[s,j] + R[s,j]          (j input of i)
   carry                       S[s+1,i] <= S[s,i] + R[s,i];  A[s+1,i,m] <= A[s,i,m] + R[s,i,m]
   no second copy              S[s,i] + R[s,i] <= 1               (i owns a storage)
-  storages held by states     A[s,c,m] <= S[s,b]                 (b kept by impl m of c)
+  storages held by states     sum_m A[s,c,m] <= S[s,b]           (over the impls m of c that keep b)
+  t's inputs, either way      S[s,base(j)] + R[s,j] >= sum_{m keeps j} A[s,t,m] + R[s,t]
+                              (j input of t: the two rows above for t in one; tighter relaxation)
   views hold their base       S[s,v] <= S[s,base(v)]
   recompute step i of stage s C_s + sum_b a_b Q[s,b,k(i)] + states(i)
                               + sum_{j<i} a_j P[s,j,k(i)] + (a_i + fwd_workspace_i) R[s,i]
@@ -377,11 +379,29 @@ class Formulation:
                         md.ub[col] = 0.0
                 md.tag = ("inputs", s, t)
             # storages held by states
+            # (one row per node and storage over its implementations: at most one state per node
+            # is held, so the sum is as valid as one row per implementation, and a tighter
+            # relaxation, where half-held states of two implementations count once)
             md.tag = ("kept", s, t)
             for c, ac in As.items():
+                keeping: dict[int, list[int]] = {}
                 for m, col in enumerate(ac):
                     for b in an.kept_bases[c][m]:
-                        md.row([col, Ss[b]], [1.0, -1.0], -INF, 0.0)
+                        keeping.setdefault(b, []).append(col)
+                for b, cols in keeping.items():
+                    md.row(cols + [Ss[b]], [1.0] * len(cols) + [-1.0], -INF, 0.0)
+            # t's input j is held or recomputed, whether t's backward reads it from a held state or
+            # t is recomputed from it: the two rows above in one (t has exactly one state, held or
+            # recomputed), which the relaxation cannot meet with one half-held copy of j
+            md.tag = ("input_of_t", s, t)
+            for j in an.uinputs[t]:
+                b = an.base[j]
+                if b in user or j in user:
+                    continue
+                need = [col for m, col in enumerate(As.get(t, [])) if b in an.kept_bases[t][m]]
+                need += Rs.get(t, [])[: nimp[t]]
+                have = [Ss[b]] + Rs.get(j, [])
+                md.row(have + need, [1.0] * len(have) + [-1.0] * len(need), 0.0, INF)
             # views hold their base
             md.tag = ("view", s, t)
             for v in range(t + 1 if s > 0 else n):
@@ -1443,6 +1463,7 @@ def _ladder(
     best_form = None
     attempts: list[dict] = []
     results: list[tuple] = []  # (window, MilpResult, the Formulation it solved)
+    bounds: list[tuple] = []  # (window, MilpResult, Formulation) of LP relaxations solved (RINS)
     last = None
 
     def accept(plan, objective: float, index: int) -> bool:
@@ -1490,9 +1511,22 @@ def _ladder(
         )
         if budget_bytes is not None and warm is not None:
             # the plan RINS finds is a plan of this window's MILP, which starts from it
+            relaxations: list[MilpResult] = []
             improved = _rins(
-                form, warm_plan, deadline, threads, verbose, lambda plan, obj: accept(plan, obj, len(results))
+                form,
+                warm_plan,
+                deadline,
+                threads,
+                verbose,
+                lambda plan, obj: accept(plan, obj, len(results)),
+                relaxations=relaxations,
             )
+            for lp in relaxations:
+                # the relaxation's optimum bounds this MILP too; HiGHS' own run may end before its
+                # root LP does (ResNet-50 b8 224, Adam, 0.25: stopped in presolve, reported bound
+                # 1.466 against the relaxation's 1.687)
+                bounds.append((w, lp, form))
+                attempts.append({**_attempt(what, w, lp), "status": "lp_relaxation"})
             if improved is not None:
                 warm_plan = improved
                 warm = form.plan_to_vector(improved)
@@ -1558,12 +1592,15 @@ def _ladder(
     proven = None
     if best is not None:
         obj, plan = best[1], best[2]
-        for w, res, form in results:
+        runs = [(w, res, form, res.status) for w, res, form in results]
+        # (an LP relaxation's bound is as good as a MILP run's; it proves no optimality of its own)
+        runs += [(w, res, form, "time_limit") for w, res, form in bounds]
+        for w, res, form, status in runs:
             if res.dual_bound is None or not _holds(form, plan, obj):
                 continue
             gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
             if proven is None or gap < proven[1]:
-                proven = (w, gap, res.status)
+                proven = (w, gap, status)
     return _LadderResult(best[:3] if best else None, last, attempts, proven)
 
 
@@ -1588,7 +1625,9 @@ def _attempt(what: str, window: int | None, res: MilpResult) -> dict:
     }
 
 
-def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> Plan | None:
+def _rins(
+    form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept, relaxations=None
+) -> Plan | None:
     """Relaxation-induced neighbourhood search (Danna, Rothberg & Le Pape 2005) from `plan`.
 
     Solves the LP relaxation of `form` once, then the MILP with every integer column fixed
@@ -1596,7 +1635,8 @@ def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose:
     improves. HiGHS runs RINS itself, but only after its root cut rounds: on ResNet-50 b8 224
     at 0.33 (window 6) those took 42 s before its RINS took the multilevel plan from +60 % to
     +35 % predicted; the bare LP takes 2 s and the neighbourhood MILP 4 s to reach +38 %.
-    Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None."""
+    Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None.
+    relaxations: a list the solved LP relaxation is appended to (its objective bounds the MILP)."""
     remaining = deadline - time.perf_counter()
     if remaining < 2.0:
         return None
@@ -1604,6 +1644,8 @@ def _rins(form: Formulation, plan: Plan, deadline: float, threads: int, verbose:
     if lp.x is None or lp.status != "optimal":
         log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
         return None
+    if relaxations is not None:
+        relaxations.append(lp)
     integer = np.flatnonzero(np.asarray(form.md.integer))
     x = form.plan_to_vector(plan)
     current = form.objective(x)
