@@ -1612,7 +1612,8 @@ def _holds(form: Formulation, plan: Plan, objective: float) -> bool:
 
 
 def _attempt(what: str, window: int | None, res: MilpResult) -> dict:
-    """One HiGHS run, as `meta["milp_attempts"]` records it."""
+    """One backend run, as `meta["milp_attempts"]` records it (RINS' LP relaxations too, with
+    status "lp_relaxation": their objective bounds the same MILP)."""
     return {
         "minimise": what,
         "window": window,
