@@ -400,6 +400,8 @@ class Formulation:
                     continue
                 need = [col for m, col in enumerate(As.get(t, [])) if b in an.kept_bases[t][m]]
                 need += Rs.get(t, [])[: nimp[t]]
+                if not need:  # (t a user output whose state keeps nothing of j: nothing to say)
+                    continue
                 have = [Ss[b]] + Rs.get(j, [])
                 md.row(have + need, [1.0] * len(have) + [-1.0] * len(need), 0.0, INF)
             # views hold their base
