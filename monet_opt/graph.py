@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import operator
 import os
 import traceback
 import warnings
@@ -37,6 +38,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
+
+from monet_opt.concrete_trace import ConcreteTracerMixin, restore, snapshot
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -231,15 +234,14 @@ def _leaf_root(model: nn.Module, n_inputs: int) -> fx.GraphModule:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_FILES = (os.path.join("monet_opt", "graph.py"), os.path.join("monet_opt", "concrete_trace.py"))
 
 
 def _user_frame(exc: BaseException) -> str:
     """'file:line: code' of the innermost frame outside torch, if any."""
     best = None
     for fs in traceback.extract_tb(exc.__traceback__):
-        if not fs.filename.startswith(_TORCH_DIR) and not fs.filename.endswith(
-            os.path.join("monet_opt", "graph.py")
-        ):
+        if not fs.filename.startswith(_TORCH_DIR) and not fs.filename.endswith(_OWN_FILES):
             best = fs
     if best is None:
         return ""
@@ -280,29 +282,79 @@ def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any] | None:
 
 def _symbolic_trace(
     model: nn.Module,
-    n_inputs: int,
+    inputs: tuple,
     leaf_paths: set[str],
     leaf_types: tuple[type, ...],
     leaf_fallback: bool,
 ) -> tuple[fx.GraphModule, list[str]]:
-    """Trace with leaf fallback. Returns the GraphModule and the auto-leafed paths."""
+    """Trace with leaf fallback. Returns the GraphModule and the auto-leafed paths.
+
+    Plain fx first; if any module's code cannot be traced that way, again with proxies that
+    carry the example inputs' values (`monet_opt.concrete_trace`: shape-dependent Python code,
+    as in Hugging Face and timm models, then runs), and only what still fails becomes a leaf."""
+    try:
+        return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, False, concrete=False)
+    except TraceError:
+        pass
+    saved = snapshot(model)
+    try:
+        with torch.random.fork_rng(devices=_rng_devices(inputs)):
+            return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, leaf_fallback, concrete=True)
+    finally:
+        restore(model, saved)
+
+
+class _ConcreteTracer(ConcreteTracerMixin, _Tracer):
+    """`_Tracer` whose proxies carry values (`monet_opt.concrete_trace`)."""
+
+    def __init__(self, leaf_paths: set[str], leaf_types: tuple[type, ...], inputs: tuple) -> None:
+        super().__init__(leaf_paths, leaf_types)
+        self.example_inputs = inputs
+
+
+def _rng_devices(inputs: tuple) -> list[int]:
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def _trace_with_leaves(
+    model: nn.Module,
+    inputs: tuple,
+    leaf_paths: set[str],
+    leaf_types: tuple[type, ...],
+    leaf_fallback: bool,
+    concrete: bool,
+) -> tuple[fx.GraphModule, list[str]]:
+    n_inputs = len(inputs)
     auto: list[str] = []
-    concrete = _concrete_args(model, n_inputs)
+    concrete_args = _concrete_args(model, n_inputs)
     n_modules = sum(1 for _ in model.modules())
     for _ in range(n_modules + 1):
-        tracer = _Tracer(leaf_paths | set(auto), leaf_types)
+        if concrete:
+            tracer: _Tracer = _ConcreteTracer(leaf_paths | set(auto), leaf_types, inputs)
+        else:
+            tracer = _Tracer(leaf_paths | set(auto), leaf_types)
+        # fx keeps tensor constants (a mask made from shapes) as attributes of the root: the
+        # GraphModule takes its own copies, and the user's model is left as it was (so the next
+        # trace names them the same)
+        own_attrs = set(vars(model))
         try:
-            graph = tracer.trace(model, concrete_args=concrete)
+            graph = tracer.trace(model, concrete_args=concrete_args)
+            gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:
+            _drop_attrs(model, own_attrs)
             raise
         except Exception as exc:
+            _drop_attrs(model, own_attrs)
             path = tracer.fail_path
             where = f"module {path!r} ({type(model.get_submodule(path)).__name__})" if path else None
             if path and leaf_fallback and path not in auto and path not in leaf_paths:
                 warnings.warn(
                     f"monet_opt.trace: {where} cannot be traced by torch.fx "
                     f"({type(exc).__name__}: {_first_line(exc)}); it becomes one leaf node",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 auto.append(path)
                 continue
@@ -312,13 +364,50 @@ def _symbolic_trace(
                 f"{_first_line(exc)}. {_fix_hint(exc, path)}",
                 module_path=path or "",
             ) from exc
-        # fx guards bound default arguments with _assert_is_none nodes: not operators
-        for n in list(graph.nodes):
-            if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
-                graph.erase_node(n)
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        _drop_attrs(model, own_attrs)
+        _drop_default_guards(gm.graph, n_inputs)
+        gm.recompile()
         return gm, auto
     raise TraceError("tracing did not converge while marking untraceable submodules as leaves")
+
+
+def _drop_attrs(model: nn.Module, keep: set[str]) -> None:
+    for k in [k for k in vars(model) if k not in keep]:
+        delattr(model, k)
+
+
+def _drop_default_guards(graph: fx.Graph, n_inputs: int) -> None:
+    """Forward arguments bound to their defaults (`_concrete_args`) are no inputs: fx guards a
+    None with an `_assert_is_none` node, and any other value with a placeholder (the default)
+    checked by `_assert(eq(placeholder, value))`. Drop the guards, and put the value itself
+    where the placeholder was used (a timm ViT's `is_causal=False`)."""
+    for n in list(graph.nodes):
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_assert_is_none":
+            graph.erase_node(n)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in placeholders[n_inputs:]:
+        if ph.name.startswith("*"):
+            continue
+        default = ph.args[0] if ph.args else None
+        for user in list(ph.users):
+            guards = list(user.users)
+            if (
+                user.op == "call_function"
+                and user.target is operator.eq
+                and guards
+                and all(g.op == "call_function" and g.target is torch._assert and not g.users for g in guards)
+            ):
+                for g in guards:
+                    graph.erase_node(g)
+                graph.erase_node(user)
+
+        def bound(a: fx.Node, ph: fx.Node = ph, default: Any = default) -> Any:
+            return default if a is ph else a
+
+        for user in list(ph.users):
+            user.args = fx.node.map_arg(user.args, bound)
+            user.kwargs = fx.node.map_arg(user.kwargs, bound)
+        graph.erase_node(ph)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -329,6 +418,14 @@ def _first_line(exc: BaseException) -> str:
 def _fix_hint(exc: BaseException, path: str | None) -> str:
     msg = str(exc)
     hint = ""
+    if path is None and ("co_varnames" in msg or "argument of type" in msg):
+        # a forward taking **kwargs, or returning a cache object (Hugging Face models)
+        return (
+            "The root forward takes **kwargs or returns objects that are not tensors (a Hugging Face "
+            "model returns a ModelOutput with a cache). Fix: wrap the model in a module whose "
+            "forward takes the input tensors and returns tensors, e.g. "
+            "`return self.model(input_ids=ids, use_cache=False).logits` (or the loss)."
+        )
     if "cannot be used as inputs to control flow" in msg:
         hint = (
             "This is data-dependent Python control flow (an `if`/`while` on a tensor value), "
@@ -708,7 +805,7 @@ def trace(
     if _Tracer(set(), leaf_types).is_leaf_module(model, ""):
         gm, auto_leaves = _leaf_root(model, len(inputs)), []
     else:
-        gm, auto_leaves = _symbolic_trace(model, len(inputs), leaf_paths, leaf_types, leaf_fallback)
+        gm, auto_leaves = _symbolic_trace(model, inputs, leaf_paths, leaf_types, leaf_fallback)
     gm.train(model.training)
 
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]

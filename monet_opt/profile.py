@@ -619,6 +619,7 @@ def build_problem(
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_shapes": [list(x.shape) for x in example_inputs],
+        "input_dtypes": [str(x.dtype).removeprefix("torch.") for x in example_inputs],
         "profile_seconds": round(time.perf_counter() - started, 2),
         "profile_cache_hits": hits,
         # measurements taken on a busy CPU (now, or served from the cache while still busy)

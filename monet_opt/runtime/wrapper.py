@@ -71,6 +71,13 @@ class _autocast:
             self.ctx.__exit__(*exc)
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"schedule meta names an unknown input dtype {name!r}")
+    return dtype
+
+
 def resolve_schedule(schedule: Schedule | str | Path) -> Schedule:
     if isinstance(schedule, Schedule):
         return schedule
@@ -120,7 +127,13 @@ class MonetWrapper(nn.Module):
             else:
                 shapes = [input_shape] if isinstance(input_shape[0], int) else list(input_shape)
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            example_inputs = tuple(torch.zeros(tuple(s), device=device) for s in shapes)
+            # zeros of the dtypes the schedule was solved for (token ids: int64), float32 if unsaid
+            dtypes = self.schedule.meta.get("input_dtypes") or []
+            if len(dtypes) != len(shapes):
+                dtypes = ["float32"] * len(shapes)
+            example_inputs = tuple(
+                torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
+            )
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
         graph = trace(model, example_inputs)

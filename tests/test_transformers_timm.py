@@ -1,0 +1,173 @@
+"""Hugging Face transformers and timm models through the whole pipeline: trace (with concrete
+shapes where plain fx stops), profile, solve, and a wrapped training step with plain PyTorch's
+gradients inside the budget. Tiny configurations, no downloaded weights."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import timm
+import torch
+import transformers
+from torch import nn
+
+import solver
+from monet_opt.bench import measure_step
+from monet_opt.graph import TraceError, trace
+from monet_opt.pipeline import solve_model
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from tests.test_runtime import LOSS_SCALARS, assert_same_gradients, budget_at
+
+transformers.logging.set_verbosity_error()
+
+
+class LanguageModel(nn.Module):
+    """A Hugging Face model as users train it: token ids in, logits out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+def gpt2():
+    # dropout on: a recomputed dropout must replay its mask
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    return LanguageModel(transformers.GPT2LMHeadModel(cfg))
+
+
+def llama():
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    return LanguageModel(transformers.LlamaForCausalLM(cfg))
+
+
+def bert():
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256
+    )
+    return LanguageModel(transformers.BertForMaskedLM(cfg))
+
+
+HF = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _check(model: nn.Module, x: torch.Tensor, fraction: float, name: str, **wrap) -> None:
+    """Solve at `fraction` of the way from the lowest feasible peak to plain's; one wrapped step
+    has plain's gradients (twice: recorded, then replayed); measured peak inside the budget and
+    within 5 % of the prediction."""
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    # solve_model: the schedule carries the problem's metadata (input shapes and dtypes)
+    _, schedule = solve_model(
+        model, (x,), budget_at(problem, fraction), time_limit=10, verbose=False, problem=problem
+    )
+    wrapped = MonetWrapper(model, schedule, **wrap)
+    assert_same_gradients(model, wrapped, x, name)
+    assert_same_gradients(model, wrapped, x, f"{name}, replayed step")
+    peak, _ = measure_step(wrapped, (x,), steps=1)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= schedule.budget_bytes + LOSS_SCALARS, (
+        f"{name}: measured {peak} over {schedule.budget_bytes}"
+    )
+    assert abs(peak - predicted) <= 0.05 * predicted, f"{name}: measured {peak} vs predicted {predicted}"
+
+
+@pytest.mark.parametrize("name", list(HF))
+def test_hugging_face_models_trace_whole_and_train_within_budget(name):
+    torch.manual_seed(0)
+    model = HF[name]().train()
+    x = _tokens()
+    before = set(vars(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a module that became a leaf warns
+        g = trace(model, (x,))
+    assert g.leaf_paths == [], f"{name}: modules left whole: {g.leaf_paths}"
+    kinds = {n.kind for n in g.nodes}
+    assert "scaled_dot_product_attention" in kinds and "embedding" in kinds, kinds
+    # fx's tensor constants (masks made from shapes) live in the graph, not on the user's model
+    assert set(vars(model)) == before
+    # the wrapper builds its example from the schedule's input shape and dtype (token ids)
+    _check(model, x, 0.5, name, input_shape=tuple(x.shape))
+
+
+def test_timm_vit_default_arguments_are_no_inputs():
+    # timm's VisionTransformer.forward has arguments with non-None defaults (is_causal=False):
+    # fx guards them with placeholders, which are not model inputs
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8
+    ).train()
+    x = torch.randn(4, 3, 32, 32)
+    g = trace(model, (x,))
+    assert [n.name for n in g.gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    sdpa = [n for n in g.gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention]
+    assert sdpa and all(n.kwargs.get("is_causal", False) is False for n in sdpa)
+    _check(model, x, 0.5, "timm vit", example_inputs=(x,))
+
+
+@pytest.mark.parametrize("arch", ["convnext_atto"])
+def test_timm_convnets_train_within_budget(arch):
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, num_classes=10).train()
+    x = torch.randn(4, 3, 32, 32)
+    _check(model, x, 0.4, f"timm {arch}", example_inputs=(x,))
+
+
+def test_shape_dependent_python_traces_with_concrete_shapes():
+    """Python code that reads shapes (a loop over a split, a mask from `arange`) stops plain fx;
+    it traces with concrete shapes, specialised to the example, and runs as the eager model."""
+
+    class ShapeCode(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(512, 512)
+            self.bn = nn.BatchNorm1d(6)
+
+        def forward(self, x):
+            h = self.bn(self.lin(x))
+            if h.shape[1] > 4:  # plain fx: control flow on a proxy
+                mask = torch.arange(h.shape[1]) < 4
+                h = h * mask[None, :, None]
+            parts = [p.relu() for p in h.split(128, dim=-1)]
+            return torch.cat(parts, dim=-1).sum(dim=1)
+
+    torch.manual_seed(0)
+    model = ShapeCode().train()
+    x = torch.randn(64, 6, 512)  # large enough that the runtime's 64-KiB reserve is noise
+    stats = copy.deepcopy(model.bn.state_dict())
+    g = trace(model, (x,))  # checks the traced output against the eager model's
+    assert g.leaf_paths == []
+    for k, v in model.bn.state_dict().items():  # tracing ran the model: statistics put back
+        torch.testing.assert_close(v, stats[k])
+    with torch.no_grad():
+        torch.testing.assert_close(g.gm(x), model(x))
+    _check(model, x, 0.5, "shape code", example_inputs=(x,))
+
+
+def test_hugging_face_model_as_root_names_the_fix():
+    """A Hugging Face model's own forward takes **kwargs and returns a cache: the error says how
+    to wrap it (as `LanguageModel` above)."""
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    with pytest.raises(TraceError, match=r"use_cache=False\)\.logits"):
+        trace(model, (torch.randint(0, 64, (2, 8)),))
