@@ -1,4 +1,5 @@
-"""Built-in models: a small GPT-style transformer (the test and demo model)."""
+"""Built-in models: a small GPT-style transformer (the test and demo model), and `TokenLogits`,
+the wrapper that makes a Hugging Face language model traceable."""
 
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
         return self.head(self.ln(self.blocks(x)))
+
+
+class TokenLogits(nn.Module):
+    """A Hugging Face language model as a module from token ids to logits, as `monet_opt.trace`
+    needs it: the model's own forward takes **kwargs and returns a ModelOutput with a cache.
+    `TokenLogits(transformers.GPT2LMHeadModel(config))`; put a loss inside a module of your own
+    the same way for long vocabularies (README: "put the loss inside")."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits

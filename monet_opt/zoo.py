@@ -1,8 +1,11 @@
 """Named models and the schedules shipped in `schedules/`.
 
 A model name is a torchvision classification model (`resnet50`, `vgg16`, ...),
-a built-in (`gpt`), or `package.module:factory` for a user's own model (the
-factory is called with no arguments and returns an nn.Module).
+a built-in (`gpt`), a timm model (`timm/convnext_tiny`, `timm/vit_small_patch16_224`), a
+Hugging Face language model from its library's default configuration (`hf/gpt2`,
+`hf/gpt2-medium`, `hf/bert-base`: token ids in, logits out), or `package.module:factory` for a
+user's own model (the factory is called with no arguments and returns an nn.Module). Weights are
+random; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ from torch import nn
 from solver.schedule import Schedule
 
 SCHEDULES_DIR = Path(__file__).resolve().parent.parent / "schedules"
-TOKEN_MODELS = {"gpt"}
+# Hugging Face language models by name: (config class, model class, config overrides)
+HF_MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    "bert-base": ("BertConfig", "BertForMaskedLM", {}),
+}
+TOKEN_MODELS = {"gpt"} | {f"hf/{k}" for k in HF_MODELS}
 
 
 class UnknownModel(ValueError):
@@ -64,6 +73,10 @@ def build_model(name: str, image: int = 224) -> nn.Module:
         from monet_opt.models import GPT
 
         return GPT()
+    if name.startswith("timm/"):
+        return _timm_model(name.removeprefix("timm/"), image)
+    if name.startswith("hf/"):
+        return _hf_model(name.removeprefix("hf/"))
     if ":" in name:
         module_name, factory = name.split(":", 1)
         try:
@@ -80,7 +93,7 @@ def build_model(name: str, image: int = 224) -> nn.Module:
         raise UnknownModel(
             f"unknown model {name!r}: use a torchvision classification model "
             f"(e.g. resnet18, resnet50, vgg16, mobilenet_v2, googlenet, vit_b_16), 'gpt', "
-            "or 'package.module:factory'"
+            f"'timm/<name>', 'hf/<name>' ({', '.join(HF_MODELS)}) or 'package.module:factory'"
         )
     kwargs: dict = {"weights": None}
     if name == "googlenet" or name.startswith("inception"):
@@ -88,6 +101,31 @@ def build_model(name: str, image: int = 224) -> nn.Module:
     if name.startswith("vit_"):
         kwargs["image_size"] = image
     return tvm.get_model(name, **kwargs)
+
+
+def _timm_model(arch: str, image: int) -> nn.Module:
+    try:
+        import timm
+    except ImportError as exc:
+        raise UnknownModel(f"model 'timm/{arch}' needs timm: pip install timm") from exc
+    if arch not in timm.list_models():
+        raise UnknownModel(f"timm has no model {arch!r} (timm.list_models() lists them)")
+    kwargs = {"img_size": image} if "vit" in arch or "deit" in arch else {}
+    return timm.create_model(arch, pretrained=False, **kwargs)
+
+
+def _hf_model(key: str) -> nn.Module:
+    if key not in HF_MODELS:
+        raise UnknownModel(f"unknown Hugging Face model 'hf/{key}': use one of {', '.join(HF_MODELS)}")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise UnknownModel(f"model 'hf/{key}' needs transformers: pip install transformers") from exc
+    from monet_opt.models import TokenLogits
+
+    config_cls, model_cls, overrides = HF_MODELS[key]
+    config = getattr(transformers, config_cls)(**overrides)
+    return TokenLogits(getattr(transformers, model_cls)(config))
 
 
 # -- shipped schedules ----------------------------------------------------------------

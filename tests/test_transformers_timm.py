@@ -16,6 +16,7 @@ from torch import nn
 import solver
 from monet_opt.bench import measure_step
 from monet_opt.graph import TraceError, trace
+from monet_opt.models import TokenLogits
 from monet_opt.pipeline import solve_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -24,23 +25,12 @@ from tests.test_runtime import LOSS_SCALARS, assert_same_gradients, budget_at
 transformers.logging.set_verbosity_error()
 
 
-class LanguageModel(nn.Module):
-    """A Hugging Face model as users train it: token ids in, logits out."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits
-
-
 def gpt2():
     # dropout on: a recomputed dropout must replay its mask
     cfg = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
     )
-    return LanguageModel(transformers.GPT2LMHeadModel(cfg))
+    return TokenLogits(transformers.GPT2LMHeadModel(cfg))
 
 
 def llama():
@@ -53,14 +43,14 @@ def llama():
         vocab_size=256,
         max_position_embeddings=64,
     )
-    return LanguageModel(transformers.LlamaForCausalLM(cfg))
+    return TokenLogits(transformers.LlamaForCausalLM(cfg))
 
 
 def bert():
     cfg = transformers.BertConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256
     )
-    return LanguageModel(transformers.BertForMaskedLM(cfg))
+    return TokenLogits(transformers.BertForMaskedLM(cfg))
 
 
 HF = {"gpt2": gpt2, "llama": llama, "bert": bert}
@@ -164,7 +154,7 @@ def test_shape_dependent_python_traces_with_concrete_shapes():
 
 def test_hugging_face_model_as_root_names_the_fix():
     """A Hugging Face model's own forward takes **kwargs and returns a cache: the error says how
-    to wrap it (as `LanguageModel` above)."""
+    to wrap it (as `monet_opt.models.TokenLogits` does)."""
     cfg = transformers.GPT2Config(
         n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
     )

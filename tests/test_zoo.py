@@ -50,3 +50,19 @@ def test_unknown_model_is_a_clear_error():
     with pytest.raises(UnknownModel, match="cannot import"):
         build_model("no_such_package.models:make")
     assert isinstance(build_model("resnet18"), torch.nn.Module)
+    with pytest.raises(UnknownModel, match="timm has no model"):
+        build_model("timm/no_such_net")
+    with pytest.raises(UnknownModel, match="gpt2-medium"):
+        build_model("hf/no_such_lm")
+
+
+def test_timm_and_hugging_face_names_build_random_models():
+    net = build_model("timm/convnext_atto", image=32)
+    assert net(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+    lm = build_model("hf/gpt2")  # GPT-2 small from the library's default configuration
+    assert sum(p.numel() for p in lm.parameters()) > 100e6
+    spec = ModelSpec("hf/gpt2", batch=2, seq=16)
+    (ids,) = spec.example_inputs()
+    assert ids.dtype == torch.int64 and "seq 16" in spec.describe()
+    with torch.no_grad():
+        assert lm.eval()(ids).shape == (2, 16, 50257)
