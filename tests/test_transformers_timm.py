@@ -60,7 +60,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
 
 
-def _check(model: nn.Module, x: torch.Tensor, fraction: float, name: str, **wrap) -> None:
+def _check(model: nn.Module, x: torch.Tensor, fraction: float, name: str, **wrap) -> MonetWrapper:
     """Solve at `fraction` of the way from the lowest feasible peak to plain's; one wrapped step
     has plain's gradients (twice: recorded, then replayed); measured peak inside the budget and
     within 5 % of the prediction."""
@@ -78,6 +78,7 @@ def _check(model: nn.Module, x: torch.Tensor, fraction: float, name: str, **wrap
         f"{name}: measured {peak} over {schedule.budget_bytes}"
     )
     assert abs(peak - predicted) <= 0.05 * predicted, f"{name}: measured {peak} vs predicted {predicted}"
+    return wrapped
 
 
 @pytest.mark.parametrize("name", list(HF))
@@ -95,7 +96,12 @@ def test_hugging_face_models_trace_whole_and_train_within_budget(name):
     # fx's tensor constants (masks made from shapes) live in the graph, not on the user's model
     assert set(vars(model)) == before
     # the wrapper builds its example from the schedule's input shape and dtype (token ids)
-    _check(model, x, 0.5, name, input_shape=tuple(x.shape))
+    wrapped = _check(model, x, 0.5, name, input_shape=tuple(x.shape))
+    # eval runs the model itself: the trace fixed `self.training` (GPT-2's attention dropout_p)
+    wrapped.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(wrapped(x[:2, :16]), model(x[:2, :16]), rtol=0, atol=0)
 
 
 def test_timm_vit_default_arguments_are_no_inputs():

@@ -153,7 +153,9 @@ class MonetWrapper(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
-            return self.gm(*inputs)
+            # the model itself, not the traced graph: a trace fixes what Python read while it ran
+            # (`self.training`, so a functional dropout's p; with concrete shapes, the shapes)
+            return self.model(*inputs)
         shapes = [tuple(x.shape) for x in inputs]
         if shapes != self.input_shapes:
             raise InputShapeMismatch(
