@@ -83,15 +83,10 @@ class ConcreteProxy(fx.Proxy):
 
     def __bool__(self) -> bool:
         value = self.__dict__.get("value", _NO_VALUE)
-        if value is _NO_VALUE or isinstance(value, torch.Tensor):
-            return super().__bool__()  # data-dependent: fx's error
-        return bool(value)
-
-    def __index__(self) -> int:
-        value = self.__dict__.get("value", _NO_VALUE)
-        if isinstance(value, int):
-            return value
-        return super().__index__()
+        if isinstance(value, (tuple, list, dict)) or value is None:
+            return bool(value)  # structure (a module's tuple output), not data
+        # a tensor or a number (`.item()`): data-dependent, fx's error
+        return super().__bool__()
 
 
 def value_of(a: Any) -> Any:

@@ -167,3 +167,21 @@ def test_hugging_face_model_as_root_names_the_fix():
     model = transformers.GPT2LMHeadModel(cfg).train()
     with pytest.raises(TraceError, match=r"use_cache=False\)\.logits"):
         trace(model, (torch.randint(0, 64, (2, 8)),))
+
+
+def test_values_read_from_data_still_stop_the_trace():
+    """Concrete shapes, never concrete data: a branch on `.item()` is not fixed to the example."""
+
+    class ItemBranch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if h.shape[0] > 1 and h.sum().item() > 0:
+                h = h * 2
+            return h
+
+    with pytest.raises(TraceError, match="control flow"):
+        trace(ItemBranch(), (torch.randn(3, 4),), leaf_fallback=False)
