@@ -35,6 +35,7 @@ from torch import nn
 import solver
 from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
+from monet_opt.models import TokenLogits
 from monet_opt.pipeline import refine_schedule, sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -228,7 +229,7 @@ def refined(
         prob_f, sched = refine_schedule(
             model, inputs, problem, sched, args.refine, args.time_limit, args.verbose, optimizer
         )
-        prob_f.to_json(Path(args.out) / "schedules" / f"{args.model}_{tag}_{f:g}_refined_problem.json")
+        prob_f.to_json(Path(args.out) / "schedules" / f"{model_file(args)}_{tag}_{f:g}_refined_problem.json")
         out.append(sched)
     return out
 
@@ -267,7 +268,7 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
         meta=spec_meta(args),
         zero_pack=args.zero_pack,
     )
-    problem.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_problem.json")
+    problem.to_json(Path(args.out) / "schedules" / f"{model_file(args)}_{name}_problem.json")
     say(f"monet-opt, step in the backward: solving budgets {', '.join(f'{f:g}' for f in args.budgets)}")
     solved = sweep_model(
         problem, [int(f * plain_peak) for f in args.budgets], time_limit=args.time_limit, verbose=args.verbose
@@ -280,7 +281,7 @@ def step_in_backward_rows(args, model: nn.Module, inputs: tuple, plain_peak: int
         if isinstance(sched, (solver.NoScheduleFound, solver.InfeasibleBudget)):
             rows.append(unsolved_row(method, label, sched, args.time_limit))
             continue
-        sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{name}_{f:g}.json")
+        sched.to_json(Path(args.out) / "schedules" / f"{model_file(args)}_{name}_{f:g}.json")
         say(f"monet-opt, step in the backward: budget {label}")
 
         def measure(quartiles, sched=sched):
@@ -304,6 +305,11 @@ def fmt_ms(s) -> str:
 def short_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
     return text[:160] + ("…" if len(text) > 160 else "")
+
+
+def model_file(args) -> str:
+    """The model's name as a file name part (`hf/gpt2` -> `hf_gpt2`)."""
+    return args.model.replace("/", "_").replace(":", "_")
 
 
 def spec_meta(args) -> dict:
@@ -353,6 +359,30 @@ def run(args) -> list[Row]:
         traceback.print_exc()
         rows.append(Row("checkpoint_sequential", "sqrt(n)", status="failed", note=short_error(exc)))
 
+    # Hugging Face's own activation checkpointing (one checkpoint per transformer block)
+    hf = model.model if isinstance(model, TokenLogits) else None
+    if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
+        say("Hugging Face gradient_checkpointing_enable")
+        try:
+            ck = copy.deepcopy(model)
+            ck.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            q = []
+            peak, t, tp = measure_paired(model, ck, inputs, args.steps, q)
+            rows.append(
+                Row(
+                    "HF gradient checkpointing",
+                    "per block",
+                    peak,
+                    t,
+                    plain_step_s=tp,
+                    ratio_q=q,
+                    note="model.gradient_checkpointing_enable(use_reentrant=False)",
+                )
+            )
+        except Exception as exc:  # report, do not stop the run
+            traceback.print_exc()
+            rows.append(Row("HF gradient checkpointing", "per block", status="failed", note=short_error(exc)))
+
     # monet-opt
     say("monet-opt: profiling")
     t0 = time.perf_counter()
@@ -367,7 +397,7 @@ def run(args) -> list[Row]:
     )
     profile_s = time.perf_counter() - t0
     # the problem the schedules are solved on, beside them
-    problem.to_json(Path(args.out) / "schedules" / f"{args.model}_problem.json")
+    problem.to_json(Path(args.out) / "schedules" / f"{model_file(args)}_problem.json")
     nr = solver.no_recompute(problem)
     plain.pred_peak_bytes, plain.pred_time_s = nr.predicted_peak_bytes, nr.predicted_time_s
     plain.note = f"monet-opt simulator: no-recompute prediction; {len(problem.nodes)} nodes profiled in {profile_s:.0f} s"
@@ -385,7 +415,7 @@ def run(args) -> list[Row]:
             rows.append(unsolved_row("monet-opt", label, sched, args.time_limit))
             continue
         # kept beside the results: a row that surprises can be re-run (`monet-opt bench FILE`)
-        sched.to_json(Path(args.out) / "schedules" / f"{args.model}_{f:g}.json")
+        sched.to_json(Path(args.out) / "schedules" / f"{model_file(args)}_{f:g}.json")
         n_rec = len(sched.recomputed())
         default = {n.name: n.impls[0].name for n in problem.nodes}
         n_impl = sum(1 for k, v in sched.impl_choice().items() if v != default.get(k))
@@ -441,12 +471,14 @@ def run(args) -> list[Row]:
         r.label = r.budget.split(" ")[0].replace("amb=", "") if r.budget not in ("—",) else ""
         if r.method.startswith("checkpoint"):
             r.label = "sqrt(n)"
+        if r.method.startswith("HF gradient"):
+            r.label = "HF ckpt"
     return rows
 
 
 def markdown(rows: list[Row], args, header: dict) -> str:
     out = [
-        f"### {args.model}, batch {args.batch}, image {args.image}x{args.image} — {header['date']}",
+        f"### {ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).describe()} — {header['date']}",
         "",
         f"Command: `{header['command']}`",
         "",
@@ -503,7 +535,7 @@ def plot(rows: list[Row], args, path: Path) -> None:
     plots.frontier(
         pts,
         ax=ax,
-        title=f"{args.model}, batch {args.batch}, {args.image}x{args.image}, CPU "
+        title=f"{ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).describe()}, CPU "
         f"(labels: budget; timing noisy, shared CPU)",
     )
     again = next((r for r in rows if "again" in r.method and r.overhead is not None), None)
@@ -603,7 +635,7 @@ def main(argv=None) -> int:
     header["load_end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     md = markdown(rows, args, header) + f"\nTotal wall time {time.perf_counter() - t0:.0f} s.\n"
     print(md)
-    stem = out / f"frontier_{args.model}"
+    stem = out / f"frontier_{model_file(args)}"
     stem.with_suffix(".md").write_text(md)
     write_csv(rows, stem.with_suffix(".csv"))
     plot(rows, args, stem.with_suffix(".png"))
