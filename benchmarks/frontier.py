@@ -35,7 +35,7 @@ from torch import nn
 import solver
 from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
-from monet_opt.models import TokenLogits
+from monet_opt.models import TokenLogits, TokenLoss
 from monet_opt.pipeline import refine_schedule, sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -360,7 +360,7 @@ def run(args) -> list[Row]:
         rows.append(Row("checkpoint_sequential", "sqrt(n)", status="failed", note=short_error(exc)))
 
     # Hugging Face's own activation checkpointing (one checkpoint per transformer block)
-    hf = model.model if isinstance(model, TokenLogits) else None
+    hf = model.model if isinstance(model, (TokenLogits, TokenLoss)) else None
     if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
         say("Hugging Face gradient_checkpointing_enable")
         try:

@@ -29,7 +29,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
         help="torchvision model name (resnet50, vgg16, ...), 'gpt', 'timm/NAME', 'hf/gpt2' "
-        "(also hf/gpt2-medium, hf/bert-base), or 'module.path:factory'",
+        "(also hf/gpt2-medium, hf/bert-base; ids in, loss out), or 'module.path:factory'",
     )
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--image", type=int, default=224, help="image side for vision models (default 224)")

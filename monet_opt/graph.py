@@ -211,7 +211,12 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        path = self.path_of_module(m)
+        try:
+            path = self.path_of_module(m)
+        except NameError:
+            # a module made inside a forward (BERT's `CrossEntropyLoss()`): no path to call it by,
+            # so its own code is traced inline (its functional calls become the nodes)
+            return forward(*args, **kwargs)
         self._path_stack.append(path)
         try:
             return super().call_module(m, forward, args, kwargs)

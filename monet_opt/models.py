@@ -85,3 +85,16 @@ class TokenLogits(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, use_cache=False).logits
+
+
+class TokenLoss(nn.Module):
+    """A Hugging Face language model as a module from token ids to its training loss (the ids are
+    the labels: next-token loss for a causal model, the masked-LM loss over every token for BERT).
+    A scalar output: nothing of the logits' size waits for the wrapper's backward to end."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss

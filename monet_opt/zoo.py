@@ -3,9 +3,9 @@
 A model name is a torchvision classification model (`resnet50`, `vgg16`, ...),
 a built-in (`gpt`), a timm model (`timm/convnext_tiny`, `timm/vit_small_patch16_224`), a
 Hugging Face language model from its library's default configuration (`hf/gpt2`,
-`hf/gpt2-medium`, `hf/bert-base`: token ids in, logits out), or `package.module:factory` for a
-user's own model (the factory is called with no arguments and returns an nn.Module). Weights are
-random; nothing is downloaded.
+`hf/gpt2-medium`, `hf/bert-base`: token ids in, training loss out, the ids as labels), or
+`package.module:factory` for a user's own model (the factory is called with no arguments and
+returns an nn.Module). Weights are random; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def _hf_model(key: str) -> nn.Module:
         import transformers
     except ImportError as exc:
         raise UnknownModel(f"model 'hf/{key}' needs transformers: pip install transformers") from exc
-    from monet_opt.models import TokenLogits
+    from monet_opt.models import TokenLoss
 
     config_cls, model_cls, overrides = HF_MODELS[key]
     config = getattr(transformers, config_cls)(**overrides)
-    return TokenLogits(getattr(transformers, model_cls)(config))
+    return TokenLoss(getattr(transformers, model_cls)(config))
 
 
 # -- shipped schedules ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 import solver
 from monet_opt.bench import measure_step
 from monet_opt.graph import TraceError, trace
-from monet_opt.models import TokenLogits
+from monet_opt.models import TokenLogits, TokenLoss
 from monet_opt.pipeline import solve_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -235,3 +235,16 @@ def test_bf16_autocast_with_attention_dropout_gives_plain_gradients():
         grads.append({k: p.grad.clone() for k, p in params.named_parameters()})
     for k, expected in grads[1].items():
         torch.testing.assert_close(grads[0][k], expected, rtol=1e-5, atol=1e-6, msg=f"bf16 grad of {k}")
+
+
+def test_loss_inside_bert_traces_its_inline_loss_module():
+    """`TokenLoss` (ids in, the model's own loss out, as the zoo's hf/* models): BERT builds its
+    `CrossEntropyLoss()` inside forward, a module with no path in the model; it is traced inline."""
+    torch.manual_seed(0)
+    model = TokenLoss(bert().model).train()
+    x = _tokens()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        g = trace(model, (x,))
+    assert g.leaf_paths == [] and "cross_entropy" in {n.kind for n in g.nodes}
+    _check(model, x, 0.5, "bert loss", input_shape=tuple(x.shape))

@@ -65,4 +65,4 @@ def test_timm_and_hugging_face_names_build_random_models():
     (ids,) = spec.example_inputs()
     assert ids.dtype == torch.int64 and "seq 16" in spec.describe()
     with torch.no_grad():
-        assert lm.eval()(ids).shape == (2, 16, 50257)
+        assert lm.eval()(ids).dim() == 0  # the loss, with the ids as labels
