@@ -35,7 +35,7 @@ from torch import nn
 import solver
 from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
-from monet_opt.models import TokenLogits, TokenLoss
+from monet_opt.models import TokenLogits
 from monet_opt.pipeline import refine_schedule, sweep_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
@@ -312,13 +312,17 @@ def model_file(args) -> str:
     return args.model.replace("/", "_").replace(":", "_")
 
 
+def model_spec(args) -> ModelSpec:
+    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+
+
 def spec_meta(args) -> dict:
     """The model's metadata for the problems and schedules written (`monet-opt bench FILE` reads it)."""
-    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).meta()
+    return model_spec(args).meta()
 
 
 def run(args) -> list[Row]:
-    spec = ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+    spec = model_spec(args)
     torch.manual_seed(0)
     model = spec.build().train()
     inputs = spec.example_inputs()
@@ -360,7 +364,7 @@ def run(args) -> list[Row]:
         rows.append(Row("checkpoint_sequential", "sqrt(n)", status="failed", note=short_error(exc)))
 
     # Hugging Face's own activation checkpointing (one checkpoint per transformer block)
-    hf = model.model if isinstance(model, (TokenLogits, TokenLoss)) else None
+    hf = model.model if isinstance(model, TokenLogits) else None  # (TokenLoss too)
     if hf is not None and getattr(hf, "supports_gradient_checkpointing", False):
         say("Hugging Face gradient_checkpointing_enable")
         try:
@@ -478,7 +482,7 @@ def run(args) -> list[Row]:
 
 def markdown(rows: list[Row], args, header: dict) -> str:
     out = [
-        f"### {ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).describe()} — {header['date']}",
+        f"### {model_spec(args).describe()} — {header['date']}",
         "",
         f"Command: `{header['command']}`",
         "",
@@ -535,8 +539,7 @@ def plot(rows: list[Row], args, path: Path) -> None:
     plots.frontier(
         pts,
         ax=ax,
-        title=f"{ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq).describe()}, CPU "
-        f"(labels: budget; timing noisy, shared CPU)",
+        title=f"{model_spec(args).describe()}, CPU (labels: budget; timing noisy, shared CPU)",
     )
     again = next((r for r in rows if "again" in r.method and r.overhead is not None), None)
     if again is not None:

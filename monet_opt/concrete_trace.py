@@ -111,6 +111,7 @@ class ConcreteTracerMixin:
 
     example_inputs: tuple = ()
     _computing = False  # True while a node's value is computed: modules and attributes run as they are
+    _placeholders_seen = 0  # placeholders are made in signature order: the first ones are the inputs
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ConcreteProxy(node, self)
@@ -137,7 +138,8 @@ class ConcreteTracerMixin:
 
     def _compute(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "placeholder":
-            k = self._placeholders_seen = getattr(self, "_placeholders_seen", 0) + 1
+            self._placeholders_seen += 1
+            k = self._placeholders_seen
             if k <= len(self.example_inputs):
                 return self.example_inputs[k - 1]
             return args[0] if args else None  # an argument bound to its default
@@ -160,15 +162,3 @@ class ConcreteTracerMixin:
         finally:
             self._computing = False
         raise RuntimeError(f"unexpected fx node kind {kind!r}")
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's buffers, to put back after a trace ran the model (BatchNorm's statistics)."""
-    return {k: b.detach().clone() for k, b in model.named_buffers()}
-
-
-def restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, b in model.named_buffers():
-            if k in saved and b.shape == saved[k].shape:
-                b.copy_(saved[k])

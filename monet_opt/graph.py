@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt.concrete_trace import ConcreteTracerMixin, restore, snapshot
+from monet_opt.concrete_trace import ConcreteTracerMixin
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -301,12 +301,12 @@ def _symbolic_trace(
         return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, False, concrete=False)
     except TraceError:
         pass
-    saved = snapshot(model)
+    saved = _snapshot_buffers(model)  # the concrete trace runs the model (BatchNorm statistics)
     try:
         with torch.random.fork_rng(devices=_rng_devices(inputs)):
             return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, leaf_fallback, concrete=True)
     finally:
-        restore(model, saved)
+        _restore_buffers(model, saved)
 
 
 class _ConcreteTracer(ConcreteTracerMixin, _Tracer):
@@ -816,16 +816,10 @@ def trace(
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     op_names = {n.name for n in call_nodes}
 
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    rng_devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()]
-        if device.type == "cuda"
-        else []
-    )
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    buffers = _snapshot_buffers(model)
     meter = _Measure(gm, op_names)
     try:
-        with torch.random.fork_rng(devices=rng_devices):
+        with torch.random.fork_rng(devices=_rng_devices(inputs)):
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
             torch.manual_seed(seed)
             try:
@@ -897,6 +891,10 @@ def trace(
         leaf_paths=sorted(leaf_paths | set(auto_leaves)),
         model_input_bytes=model_input_bytes,
     )
+
+
+def _snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: b.detach().clone() for k, b in model.named_buffers()}
 
 
 def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:

@@ -1,5 +1,5 @@
-"""Built-in models: a small GPT-style transformer (the test and demo model), and `TokenLogits`,
-the wrapper that makes a Hugging Face language model traceable."""
+"""Built-in models: a small GPT-style transformer (the test and demo model), and `TokenLogits` /
+`TokenLoss`, the wrappers that make a Hugging Face language model traceable."""
 
 from __future__ import annotations
 
@@ -87,14 +87,10 @@ class TokenLogits(nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
-class TokenLoss(nn.Module):
+class TokenLoss(TokenLogits):
     """A Hugging Face language model as a module from token ids to its training loss (the ids are
     the labels: next-token loss for a causal model, the masked-LM loss over every token for BERT).
     A scalar output: nothing of the logits' size waits for the wrapper's backward to end."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss

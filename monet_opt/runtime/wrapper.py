@@ -140,7 +140,6 @@ class MonetWrapper(nn.Module):
         _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
         expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
         self.schedule.check_fingerprint(expected)
-        object.__setattr__(self, "gm", graph.gm)  # shares the model's modules; not registered twice
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
