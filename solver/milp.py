@@ -50,7 +50,9 @@ Recompute windows: the full grid has O(n^2) columns (ResNet-50 at 224: 80k colum
 columns only for nodes within w topological positions of each stage's node (see
 `Formulation`); w=6 is ~9k columns and solves to optimality in seconds. `solve`
 widens the window (6, 12, 24, unbounded), each MILP warm-started from the best plan
-so far, until time runs out; the reported gap is that of the widest MILP it ran
+so far, while the next one fits in the time left (`WIDEN_FACTOR`) and no plan has reached
+the trivial bound (no recomputation, every node's fastest implementation: optimal over every
+schedule); the reported gap is that of the widest MILP it ran
 (`meta["milp_gap_scope"]`), i.e. proven within that window, not over all schedules.
 
 Every term is an upper bound of what the simulator counts for the emitted schedule
@@ -144,6 +146,9 @@ class _Model:
 INF = float("inf")
 # how many nodes back (topological index) a backward stage may recompute; None: unbounded
 AUTO_WINDOWS = (6, 12, 24, None)
+# the next window starts only with this many times the previous window's wall time left, times
+# the ratio of their windows
+WIDEN_FACTOR = 1.5
 # time mode: the share of the time a MILP leaves for `_polish` if it runs out of time, the
 # band of backward stages each polishing sub-MILP may change, and its time limit
 POLISH_SHARE = 0.4
@@ -1467,6 +1472,10 @@ def _ladder(
     results: list[tuple] = []  # (window, MilpResult, the Formulation it solved)
     bounds: list[tuple] = []  # (window, MilpResult, Formulation) of LP relaxations solved (RINS)
     last = None
+    # time mode: a plan that recomputes nothing and runs every node's fastest implementations is
+    # optimal over every schedule (the trivial bound), whatever the window; no MILP can beat it
+    floor = None if budget_bytes is None else Formulation.trivial_bound(an) * (1.0 + 1e-9)
+    at_floor = False
 
     def accept(plan, objective: float, index: int) -> bool:
         """Keep `plan` if it replays, fits, and beats the best so far."""
@@ -1487,10 +1496,26 @@ def _ladder(
         best_index = index
         return True
 
+    def reached_floor() -> bool:
+        nonlocal at_floor
+        at_floor = floor is not None and best is not None and best[1] <= floor
+        return at_floor
+
+    started = None  # (when the previous window's iteration started, its window)
     for w in window_ladder(window, an.n):
-        remaining = deadline - time.perf_counter()
+        now = time.perf_counter()
+        remaining = deadline - now
         if remaining < 1.0 and last is not None:
             break
+        if started is not None:
+            # columns grow with the window: a wider MILP that would overrun the time limit proves
+            # nothing in time (ViT at test size, 10-s limit: the unbounded MILP, 4.7x window 24's
+            # columns, took 5.8 s of the 5.6 left; the solve ended at 11.9 s)
+            growth = (w or an.n) / started[1]
+            if remaining < WIDEN_FACTOR * growth * (now - started[0]):
+                log(verbose, f"window {w or 'unbounded'} skipped: {remaining:.1f} s left")
+                break
+        started = (now, w or an.n)
         candidates = [p for p in (warm_plan, *alternates) if p is not None]
         form, warm = None, None
         for k, cand in enumerate(candidates):  # the fastest plan the window's rows accept
@@ -1506,6 +1531,14 @@ def _ladder(
             form = Formulation(an, budget_bytes, window=w, warm_plan=None, backend=backend)
         if stop_at_peak is not None:
             form.stop_at_objective = stop_at_peak / 2**20
+        if floor is not None and warm is not None and form.objective(warm) <= floor:
+            accept(warm_plan, form.objective(warm), len(results))
+            if reached_floor():
+                log(
+                    verbose, "the warm start recomputes nothing and runs the fastest implementations: optimal"
+                )
+                last = (w, None)
+                break
         log(
             verbose,
             f"MILP ({what}), recompute window {w if w is not None else 'unbounded'}: {form.n_cols} columns, "
@@ -1533,6 +1566,9 @@ def _ladder(
                 warm_plan = improved
                 warm = form.plan_to_vector(improved)
                 best_form = form
+                if reached_floor():
+                    last = (w, None)
+                    break
             remaining = deadline - time.perf_counter()
             if remaining < 1.0:
                 if last is None:
@@ -1559,10 +1595,12 @@ def _ladder(
         if res.plan is not None and accept(res.plan, res.objective, len(results) - 1):
             best_form = form
             warm_plan = res.plan
+        if reached_floor():
+            break  # no wider window can do better
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
     found_by = results[best_index][1].status if best is not None and best_index < len(results) else None
-    if best is not None and budget_bytes is not None and found_by in ("time_limit", None):
+    if best is not None and budget_bytes is not None and found_by in ("time_limit", None) and not at_floor:
         # (an optimal MILP's plan cannot be improved within its window)
         _polish(
             best_form, best[2], deadline, threads, verbose, lambda plan, obj: accept(plan, obj, best_index)
@@ -1592,7 +1630,9 @@ def _ladder(
     # holds the plan (the MILP that found it, a wider one it warm-started, the same MILP run again
     # after polishing, or an earlier run of that MILP: each run's bound holds for all its points)
     proven = None
-    if best is not None:
+    if at_floor:
+        proven = (None, 0.0, "optimal")  # the trivial bound holds for every schedule
+    elif best is not None:
         obj, plan = best[1], best[2]
         runs = [(w, res, form, res.status) for w, res, form in results]
         # (an LP relaxation's bound is as good as a MILP run's; it proves no optimality of its own)

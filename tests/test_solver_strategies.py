@@ -637,3 +637,44 @@ def test_input_of_t_rows_tighten_the_relaxation_and_keep_every_plan(name):
     best = min(s.predicted_time_s for s in fits)
     assert without <= with_rows + 1e-9 <= best + 1e-6
     assert with_rows > without * (1 + 1e-4), (with_rows, without)
+
+
+# (transformer2 is left out: its attention's fastest forward and fastest backward are different
+# implementations, so no plan reaches the trivial bound there)
+@pytest.mark.parametrize("name", sorted(set(PROBLEMS) - {"transformer2"}))
+def test_a_plan_at_the_trivial_bound_ends_the_solve(name):
+    """With room for everything, a plan that recomputes nothing and runs every node's fastest
+    implementation is optimal over every schedule: solve() returns it as optimal with gap 0 and
+    widens no window (it used to run every window up to the unbounded one to prove less)."""
+    p = PROBLEMS[name]
+    peak = simulate(p, B.no_recompute(p)).peak_bytes
+    s = solve(p, 10 * peak, time_limit=30, verbose=False)
+    _check(p, s, 10 * peak)
+    assert s.solver.status == "optimal" and s.solver.gap == 0.0
+    assert s.predicted_time_s <= Formulation.trivial_bound(Analysis(p)) * (1 + 1e-9)
+    assert s.meta["milp_gap_scope"] == "recompute window unbounded"
+    assert not s.recomputed()
+    assert all(a["window"] == 6 for a in s.meta["milp_attempts"]), s.meta["milp_attempts"]
+
+
+def test_a_wider_window_that_would_overrun_the_time_limit_is_skipped(monkeypatch, capsys):
+    """The ladder widens only while the next MILP (about window-ratio times the last one's work)
+    fits in the time left; an overrunning one would prove nothing in time."""
+    import time
+
+    import solver.milp as M
+
+    original = M.Formulation.solve_milp
+
+    def slow(self, time_limit, **kw):  # every backend call takes a second more
+        time.sleep(1.0)
+        return original(self, time_limit, **kw)
+
+    monkeypatch.setattr(M.Formulation, "solve_milp", slow)
+    p = PROBLEMS["chain12"]
+    budget = int(0.7 * simulate(p, B.no_recompute(p)).peak_bytes)
+    s = solve(p, budget, time_limit=8, verbose=True)
+    _check(p, s, budget)
+    windows = {a["window"] for a in s.meta["milp_attempts"]}
+    assert windows == {6}, s.meta["milp_attempts"]
+    assert "window unbounded skipped" in capsys.readouterr().err
