@@ -1493,7 +1493,6 @@ def _ladder(
     # time mode: a plan that recomputes nothing and runs every node's fastest implementations is
     # optimal over every schedule (the trivial bound), whatever the window; no MILP can beat it
     floor = None if budget_bytes is None else Formulation.trivial_bound(an) * (1.0 + 1e-9)
-    at_floor = False
 
     def accept(plan, objective: float, index: int) -> bool:
         """Keep `plan` if it replays, fits, and beats the best so far."""
@@ -1514,10 +1513,8 @@ def _ladder(
         best_index = index
         return True
 
-    def reached_floor() -> bool:
-        nonlocal at_floor
-        at_floor = floor is not None and best is not None and best[1] <= floor
-        return at_floor
+    def at_floor() -> bool:
+        return floor is not None and best is not None and best[1] <= floor
 
     started = None  # (when the previous window's iteration started, its window)
     for w in window_ladder(window, an.n):
@@ -1551,7 +1548,7 @@ def _ladder(
             form.stop_at_objective = stop_at_peak / 2**20
         if floor is not None and warm is not None and form.objective(warm) <= floor:
             accept(warm_plan, form.objective(warm), len(results))
-            if reached_floor():
+            if at_floor():
                 log(
                     verbose, "the warm start recomputes nothing and runs the fastest implementations: optimal"
                 )
@@ -1584,7 +1581,7 @@ def _ladder(
                 warm_plan = improved
                 warm = form.plan_to_vector(improved)
                 best_form = form
-                if reached_floor():
+                if at_floor():
                     last = (w, None)
                     break
             remaining = deadline - time.perf_counter()
@@ -1613,12 +1610,12 @@ def _ladder(
         if res.plan is not None and accept(res.plan, res.objective, len(results) - 1):
             best_form = form
             warm_plan = res.plan
-        if reached_floor():
+        if at_floor():
             break  # no wider window can do better
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
     found_by = results[best_index][1].status if best is not None and best_index < len(results) else None
-    if best is not None and budget_bytes is not None and found_by in ("time_limit", None) and not at_floor:
+    if best is not None and budget_bytes is not None and found_by in ("time_limit", None) and not at_floor():
         # (an optimal MILP's plan cannot be improved within its window)
         _polish(
             best_form, best[2], deadline, threads, verbose, lambda plan, obj: accept(plan, obj, best_index)
@@ -1648,7 +1645,7 @@ def _ladder(
     # holds the plan (the MILP that found it, a wider one it warm-started, the same MILP run again
     # after polishing, or an earlier run of that MILP: each run's bound holds for all its points)
     proven = None
-    if at_floor:
+    if at_floor():
         proven = (None, 0.0, "optimal")  # the trivial bound holds for every schedule
     elif best is not None:
         obj, plan = best[1], best[2]
@@ -1766,14 +1763,15 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
         improved = False
         passes += 1
         recomputed = [0.0] * an.n  # recompute time of each node in the plan, over all stages
-        work = []  # recompute time of each stage
-        for st in plan.stages:
+        work = [0.0] * an.T  # recompute time of each stage
+        for s, st in enumerate(plan.stages):
             for i, m, _g in st.recompute:
-                recomputed[i] += an.recompute_time(i, m)
-            work.append(sum(an.recompute_time(i, m) for i, m, _g in st.recompute))
+                cost = an.recompute_time(i, m)
+                recomputed[i] += cost
+                work[s] += cost
         hoods: list[tuple[float, str, range, float]] = []
         step = max(1, POLISH_NODES // 2)
-        for a in range(0, an.n if POLISH_NODES > 0 else 0, step):
+        for a in range(0, an.n, step):
             nodes = range(a, min(an.n, a + POLISH_NODES))
             hoods.append((sum(recomputed[i] for i in nodes), "nodes", nodes, POLISH_NODE_LIMIT_S))
         step = max(1, POLISH_SPAN // 2)
