@@ -420,6 +420,84 @@ def test_node_bands_improve_a_plan_without_stage_bands(name, monkeypatch):
     assert len(times) > 1, "no node band improved sqrt(n) checkpointing"
 
 
+def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
+    """A pass in which every band's sub-MILP is solved to optimality and none improves proves the
+    plan optimal in every band of that size: polishing then doubles the bands and goes on, and the
+    wider bands find faster plans the narrow ones could not (tiny bands here: 1 stage, 2 nodes)."""
+    import time
+
+    import solver.milp as M
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    monkeypatch.setattr(M, "POLISH_SPAN", 1)
+    monkeypatch.setattr(M, "POLISH_NODES", 2)
+    events = []  # ("widen", scale) and ("better", objective), in order
+    monkeypatch.setattr(M, "log", lambda verbose, msg: events.append(msg))
+
+    class Enough(Exception):
+        pass
+
+    def accept_logged(p, objective):
+        ok = accept(p, objective)
+        if ok:
+            events.append(f"better {objective}")
+            if any(e.startswith("polish: every band optimal") for e in events):
+                raise Enough  # a wider band improved the plan: what this test wanted to see
+        return ok
+
+    with pytest.raises(Enough):  # (polishing would go on to its deadline, widening further)
+        M._polish(form, plan, time.perf_counter() + 60.0, threads=2, verbose=True, accept=accept_logged)
+    widened = [k for k, e in enumerate(events) if e.startswith("polish: every band optimal")]
+    better = [k for k, e in enumerate(events) if e.startswith("better")]
+    assert better[0] < widened[0] < better[-1]  # narrow bands improved, stopped, wider ones went on
+    assert "bands of 2 stages, 4 nodes" in events[widened[0]]
+
+
+def test_shared_memory_terms_keep_the_lp_the_same():
+    """Memory rows that share terms (a stage's held storages, in every step row; the forward's
+    released storages and states, step after step) read them through one `_sum_col` column each.
+    Written out in full instead, the LP relaxation has the same optimum, and the model is smaller
+    for it."""
+    import numpy as np
+    import scipy.sparse as sp
+    from scipy.optimize import linprog
+
+    p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
+    start = B.chen_sqrt(p)
+    an = B.analysis(p)
+    form = Formulation(an, start.predicted_peak_bytes, window=6, warm_plan=B.plan_of(p, start))
+    assert form.sums, "no shared memory terms in this problem"
+    A = form.matrix().tolil()
+    lo, hi = np.asarray(form.md.r_lo), np.asarray(form.md.r_hi)
+    # substitute each sum column by its terms in the rows that read it (later sums first: a sum may
+    # read an earlier one), then drop the columns and the rows that define them
+    for y, cols, coefs, row in reversed(form.sums):
+        col_y = A[:, y].toarray().ravel()
+        for r in np.flatnonzero(col_y):
+            if r == row:
+                continue
+            for c, v in zip(cols, coefs):
+                A[r, c] = A[r, c] + col_y[r] * v
+            A[r, y] = 0.0
+    drop_cols = {y for y, _c, _v, _r in form.sums}
+    drop_rows = {r for _y, _c, _v, r in form.sums}
+    keep_c = [c for c in range(form.n_cols) if c not in drop_cols]
+    keep_r = [r for r in range(form.n_rows) if r not in drop_rows]
+    full = sp.csr_matrix(A)[keep_r][:, keep_c]
+    assert full.nnz > 1.3 * form.matrix().nnz  # what the shared columns save
+    cost = np.asarray(form.md.cost)[keep_c]
+    bounds = list(zip(np.asarray(form.md.lb)[keep_c], np.asarray(form.md.ub)[keep_c]))
+    lo, hi = lo[keep_r], hi[keep_r]
+    fin_hi, fin_lo = np.isfinite(hi), np.isfinite(lo)
+    A_ub = sp.vstack([full[fin_hi], -full[fin_lo]]).tocsr()
+    b_ub = np.concatenate([hi[fin_hi], -lo[fin_lo]])
+    ref = linprog(cost, A_ub=A_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    assert ref.status == 0
+    lp = form.solve_highs(30.0, relax=True)
+    assert lp.status == "optimal"
+    assert lp.objective == pytest.approx(ref.fun, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
 def test_rins_improves_a_plan_and_keeps_it_within_budget(name):
     """RINS before each window's MILP: the LP relaxation bounds the MILP from below and the
