@@ -1846,10 +1846,10 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
       in 150 s, below a 600-s solve's 1.6573).
     Within each family, bands that recompute the most are visited first: there is the most to
     win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
-    optimality, proves the plan optimal in every band of that size: the bands then double (up to
-    half the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no 16-stage or
-    24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did, 1.5877 ->
-    1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound still bounds it).
+    optimality, proves the plan optimal in every band of that size: the bands then double (while
+    a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
+    16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
+    1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound still bounds it).
     `accept(plan, objective)` replays and keeps a plan."""
     an = form.an
     integer = np.flatnonzero(np.asarray(form.md.integer))
