@@ -293,7 +293,7 @@ class Formulation:
 
         # budget=None: the budget is a column, and the objective is the peak (MiB) alone
         self.peak_col = None if self.budget is not None else md.var(integer=False, lb=0.0, ub=INF)
-        # columns in bytes, which the backend sees in MiB (`_Scaling`)
+        # columns in bytes, which the backend sees in MiB (`_Scaling`): the peak, the sum columns
         self.byte_cols: list[int] = [] if self.peak_col is None else [self.peak_col]
         self.mem_rows: list[int] = []
         # forward implementation and kept states
@@ -350,6 +350,8 @@ class Formulation:
         self.aux: list[tuple[int, list[tuple[list[int], float]]]] = []  # y >= sum(x[cols]) + const, each
         # y >= sum(coefs * x[cols]) (bytes), and the row that says so
         self.sums: list[tuple[int, list[int], list[float], int]] = []
+        # while a stage's rows are built: its far nodes' chain column and terms (`_rebase`)
+        self._ref: tuple[int, dict[int, float]] | None = None
         # in-place forwards: y <= x[c] for c in the first list, y <= 1 - x[c] for c in the second
         self.in_place: list[tuple[int, list[int], list[int]]] = []
         sources = [[_in_place_source(an, i, m, has_view) for m in range(nimp[i])] for i in range(n)]
@@ -662,7 +664,6 @@ class Formulation:
         an = self.an
         T = an.T
         self.far_sum: list[tuple[int, dict[int, float]] | None] = [None] * (T + 1)
-        self._ref: tuple[int, dict[int, float]] | None = None
         for s in range(T - 1, 0, -1):
             t = an.bw[s]
             terms: dict[int, float] = {}
@@ -1041,7 +1042,7 @@ class Formulation:
             col_upper[cols] = vals
         A = self.matrix()
         A.sort_indices()
-        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), self.peak_col, self.byte_cols)
+        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), self.byte_cols)
         A, r_lo, r_hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
         return scaled, A, r_lo, r_hi, scaled.to_model(col_lower), scaled.to_model(col_upper)
 
@@ -1094,17 +1095,15 @@ class _Scaling:
     Memory rows are in bytes (coefficients ~1e8) next to 0/1 logic rows, and times are seconds
     (costs down to 1e-6): HiGHS warns that such a model is badly scaled, and it wastes its
     time on it. Each row with a coefficient above 2 is scaled so that its largest lies in [1, 2)
-    (the 0/1 logic rows are left as they are), the costs so
-    that the largest lies in [1024, 2048), and peak mode's peak column (bytes) is counted in MiB.
-    Powers of two keep every coefficient, bound and solution exact."""
+    (the 0/1 logic rows are left as they are), the costs so that the largest lies in [1024,
+    2048), and columns in bytes (peak mode's peak, sum columns) are counted in MiB. Powers of two keep every coefficient, bound and solution exact."""
 
     PEAK_UNIT = 2.0**20
 
-    def __init__(self, A, cost: np.ndarray, peak_col: int | None, byte_cols=()) -> None:
+    def __init__(self, A, cost: np.ndarray, byte_cols=()) -> None:
         self.col = np.ones(A.shape[1])
-        if peak_col is not None:
-            self.col[peak_col] = self.PEAK_UNIT  # model column = bytes / PEAK_UNIT
-        self.col[list(byte_cols)] = self.PEAK_UNIT  # (`Formulation._sum_col`'s columns too)
+        # columns in bytes (peak mode's peak, `Formulation._sum_col`'s): model column = bytes / PEAK_UNIT
+        self.col[list(byte_cols)] = self.PEAK_UNIT
         cost = cost * self.col
         top = float(np.max(np.abs(cost))) if len(cost) else 0.0
         self.cost_factor = 2.0 ** (10 - np.floor(np.log2(top))) if top > 0 else 1.0

@@ -431,7 +431,7 @@ def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
     form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
     monkeypatch.setattr(M, "POLISH_SPAN", 1)
     monkeypatch.setattr(M, "POLISH_NODES", 2)
-    events = []  # ("widen", scale) and ("better", objective), in order
+    events = []  # the log's lines and "better <objective>" for each accepted plan, in order
     monkeypatch.setattr(M, "log", lambda verbose, msg: events.append(msg))
 
     class Enough(Exception):
@@ -455,7 +455,8 @@ def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
 
 def test_shared_memory_terms_keep_the_lp_the_same():
     """Memory rows that share terms (a stage's held storages, in every step row; the forward's
-    released storages and states, step after step) read them through one `_sum_col` column each.
+    released storages and states, step after step; the nodes outside the window, through a chain
+    from stage to stage) read them through `_sum_col` columns.
     Written out in full instead, the LP relaxation has the same optimum, and the model is smaller
     for it."""
     import numpy as np
@@ -538,7 +539,7 @@ def test_highs_model_scaling_is_exact_and_well_ranged():
         form = Formulation(an, budget, window=6, warm_plan=plan)
         md = form.md
         A = form.matrix()
-        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), form.peak_col)
+        scaled = _Scaling(A, np.asarray(md.cost, dtype=float), form.byte_cols)
         As, lo, hi = scaled.rows(A, np.asarray(md.r_lo, dtype=float), np.asarray(md.r_hi, dtype=float))
         top = np.zeros(As.shape[0])
         np.maximum.at(top, As.indices, np.abs(As.data))  # (As is CSC: indices are rows)
