@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -49,7 +48,13 @@ from monet_opt.runtime.executor import (
     _save_rng,
     reuse_arguments_allow,
 )
-from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, optimizer_factory, step_bytes_per_param_byte
+from monet_opt.step_in_backward import (
+    FINGERPRINT_SUFFIX,
+    optimizer_factory,
+    step_bytes,
+    step_bytes_per_param_byte,
+    steps_by_chunks,
+)
 from monet_opt.storage import spans_storage, storage_key
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
@@ -450,6 +455,7 @@ def build_problem(
     param_owner: dict[int, str] = {}
     param_users: dict[int, list[str]] = {}
     param_bytes: dict[int, int] = {}
+    param_element_size: dict[int, int] = {}  # 0: not contiguous (stepped whole, never by chunks)
     rows: list[dict] = []
     # node -> (restore from a consumer's state, bytes of the value it restores)
     restores: dict[str, list[tuple[Restore, int]]] = {}
@@ -493,6 +499,7 @@ def build_problem(
         for p in params:
             param_owner[id(p)] = fx_node.name  # the last user in topo order runs backward first
             param_bytes[id(p)] = p.numel() * p.element_size()
+            param_element_size[id(p)] = p.element_size() if p.is_contiguous() else 0
             if p.requires_grad:
                 param_users.setdefault(id(p), []).append(fx_node.name)
         in_ptrs = {}
@@ -611,7 +618,9 @@ def build_problem(
             row["impls"] = tuple(
                 dataclasses.replace(im, bwd_workspace=im.bwd_workspace + extra) for im in row["impls"]
             )
-    freed, step, step_ratio = _steps_in_backward(optimizer, device, param_users, param_bytes, backward_nodes)
+    freed, step, step_ratio = _steps_in_backward(
+        optimizer, device, param_users, param_bytes, param_element_size, backward_nodes
+    )
     nodes = []
     for row in rows:
         backward = row["name"] in backward_nodes
@@ -713,25 +722,30 @@ def _steps_in_backward(
     device: torch.device,
     users: dict[int, list[str]],
     nbytes: dict[int, int],
+    element_size: dict[int, int],
     backward: set[str],
 ) -> tuple[dict[str, int], dict[str, int], float]:
     """Per node, the parameter-gradient bytes an optimizer step in the backward frees after the
     node's backward (parameters whose last backward, i.e. first reader with a backward in
     topological order, it is), and the step's transient bytes: the optimizer's temporaries for
-    the largest of them (parameters step one at a time); and the measured step bytes per
-    parameter byte. Nothing without an optimizer."""
+    the largest step among them (parameters step one at a time, an elementwise optimizer a large
+    contiguous one chunk by chunk: `step_in_backward.step_bytes`); and the measured step bytes
+    per parameter byte. Nothing without an optimizer."""
     if optimizer is None:
         return {}, {}, 0.0
-    ratio = step_bytes_per_param_byte(optimizer_factory(optimizer), device)
+    factory = optimizer_factory(optimizer)
+    ratio = step_bytes_per_param_byte(factory, device)
+    chunked = steps_by_chunks(factory)
     freed: dict[str, int] = {}
-    largest: dict[str, int] = {}
+    step: dict[str, int] = {}
     for pid, names in users.items():
         last = next((n for n in names if n in backward), None)
         if last is None:
             continue
         freed[last] = freed.get(last, 0) + nbytes[pid]
-        largest[last] = max(largest.get(last, 0), nbytes[pid])
-    step = {name: math.ceil(ratio * b) for name, b in largest.items()}
+        size = element_size[pid]
+        this = step_bytes(ratio, nbytes[pid], size, chunked and size > 0)
+        step[last] = max(step.get(last, 0), this)
     return freed, step, round(ratio, 4)
 
 

@@ -10,13 +10,18 @@ norm is not). Users call only `loss.backward()`: no `optimizer.step()`, no `zero
 
 * `OPTIMIZERS`: the optimizer names the command line knows, as factories.
 * `step_bytes_per_param_byte(factory)`: the step's temporaries, measured (Adam: 2, SGD: 0).
-* `PerParameterSteps`: one optimizer per parameter; `step(param, grad)`. The executor calls it.
+* `steps_by_chunks(factory)`, `step_bytes(...)`: an optimizer that updates each element on its
+  own (SGD, Adam, AdamW, ...: `ELEMENTWISE`) steps a large parameter in chunks of
+  `CHUNK_ELEMENTS` elements, so its temporaries are those of one chunk, not of the parameter.
+* `PerParameterSteps`: one optimizer per parameter (per chunk of it); `step(param, grad)`. The
+  executor calls it.
 * `fuse_into_backward(model, factory)`: the same for a plain model (post-accumulate-grad
   hooks), the baseline monet-opt's step-in-backward schedules are compared with.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,6 +29,25 @@ from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 FINGERPRINT_SUFFIX = ":step-in-backward"
+
+# Chunked steps: the step's temporaries (Adam: 2 bytes per parameter byte) are those of one
+# chunk. ResNet-50's layer-4 3x3 convolution (2.36M elements): Adam's temporaries 18 MiB -> 4 MiB,
+# and the step 7.8 ms -> 2.6 ms on this CPU (2 threads; the chunk's temporaries stay in cache);
+# the parameters after three steps are bitwise those of the whole-tensor step.
+CHUNK_ELEMENTS = 1 << 19
+
+# optimizers whose update of an element reads only that element's parameter, gradient and state
+# (exact classes: a subclass may look across elements)
+ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+)
 
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
@@ -57,20 +81,68 @@ def step_bytes_per_param_byte(factory: OptimizerFactory, device: torch.device | 
     return peak / (p.numel() * p.element_size())
 
 
-class PerParameterSteps:
-    """One optimizer per parameter, made on first use by `factory([param])`."""
+def steps_by_chunks(factory: OptimizerFactory) -> bool:
+    """Whether `factory` makes an optimizer in `ELEMENTWISE` (its steps may run chunk by chunk)."""
+    return type(factory([nn.Parameter(torch.zeros(1))])) in ELEMENTWISE
 
-    def __init__(self, factory: OptimizerFactory) -> None:
+
+def step_bytes(ratio: float, param_bytes: int, element_size: int, chunked: bool) -> int:
+    """The temporaries of one parameter's step: `ratio` bytes per byte of what one step updates,
+    the parameter or, stepped by chunks, at most `CHUNK_ELEMENTS` of its elements."""
+    stepped = min(param_bytes, CHUNK_ELEMENTS * element_size) if chunked else param_bytes
+    return math.ceil(ratio * stepped)
+
+
+class PerParameterSteps:
+    """One optimizer per parameter, made on first use by `factory([param])`; for an `ELEMENTWISE`
+    optimizer and a contiguous parameter of more than `CHUNK_ELEMENTS` elements, one per chunk
+    of it (a 1-d view of the parameter's storage, re-pointed at the storage each step, so
+    `param.data = ...` is followed). `optimizers[id(param)]`: the list of them."""
+
+    def __init__(self, factory: OptimizerFactory, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         self.factory = factory
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.chunk_elements = chunk_elements if steps_by_chunks(factory) else None
+        self.optimizers: dict[int, list[torch.optim.Optimizer]] = {}
+        self._chunks: dict[int, list[tuple[torch.Tensor, int]]] = {}  # (view, first element)
 
     def step(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        opt = self.optimizers.get(id(param))
-        if opt is None:
-            opt = self.optimizers[id(param)] = self.factory([param])
-        param.grad = grad
-        opt.step()
-        param.grad = None
+        opts = self.optimizers.get(id(param))
+        if opts is None:
+            opts = self.optimizers[id(param)] = self._make(param)
+        chunks = self._chunks.get(id(param))
+        if chunks is None:
+            param.grad = grad
+            opts[0].step()
+            param.grad = None
+            return
+        if not param.is_contiguous():
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} stepped by chunks is no longer contiguous "
+                "(its memory format changed after its first step)"
+            )
+        flat_grad = grad.contiguous().view(-1)
+        storage, offset = param.untyped_storage(), param.storage_offset()
+        with torch.no_grad():
+            for opt, (view, start) in zip(opts, chunks):
+                n = view.numel()
+                view.set_(storage, offset + start, (n,), (1,))
+                view.grad = flat_grad[start : start + n]
+                opt.step()
+                view.grad = None
+        param.grad = None  # (as after a whole step: a hook's caller may have set it)
+
+    def _make(self, param: nn.Parameter) -> list[torch.optim.Optimizer]:
+        size = self.chunk_elements
+        if size is None or param.numel() <= size or not param.is_contiguous():
+            return [self.factory([param])]
+        storage, offset, total = param.untyped_storage(), param.storage_offset(), param.numel()
+        with torch.no_grad():
+            chunks = [
+                (param.new_empty(0).set_(storage, offset + a, (min(size, total - a),), (1,)), a)
+                for a in range(0, total, size)
+            ]
+        self._chunks[id(param)] = chunks
+        return [self.factory([view]) for view, _ in chunks]
 
 
 def fuse_into_backward(model: nn.Module, factory: OptimizerFactory) -> list:

@@ -16,7 +16,14 @@ from monet_opt.bench import loss_of
 from monet_opt.memory import measure_peak
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
-from monet_opt.step_in_backward import fuse_into_backward, optimizer_factory, step_bytes_per_param_byte
+from monet_opt.step_in_backward import (
+    CHUNK_ELEMENTS,
+    PerParameterSteps,
+    fuse_into_backward,
+    optimizer_factory,
+    step_bytes_per_param_byte,
+    steps_by_chunks,
+)
 from solver import baselines
 from solver.bounds import min_feasible_lower_bound
 from solver.schedule import FingerprintMismatch
@@ -60,6 +67,45 @@ def test_step_bytes_are_measured(name):
     assert {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0}[name] == pytest.approx(ratio, abs=0.01)
 
 
+@pytest.mark.parametrize("name", ["sgd-momentum", "adam", "adamw"])
+def test_a_large_parameter_steps_by_chunks_bitwise_in_one_chunks_memory(name):
+    """An elementwise optimizer steps a parameter of 3 chunks and a bit as four optimizers over
+    views of it: bitwise the whole-tensor step, three steps in a row (and after `param.data` is
+    replaced), with the temporaries of one chunk."""
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(8, (3 * CHUNK_ELEMENTS + 40) // 8))
+    plain = torch.nn.Parameter(ours.detach().clone())
+    steps = PerParameterSteps(optimizer_factory(name))
+    whole = optimizer_factory(name)([plain])
+    ratio = step_bytes_per_param_byte(optimizer_factory(name))
+    for k in range(4):
+        if k == 3:  # the steps follow a parameter whose tensor was replaced
+            ours.data = ours.data.clone()
+        grad = torch.randn_like(ours)
+        plain.grad = grad.clone()
+        whole.step()
+        plain.grad = None
+        peak = measure_peak(steps.step, ours, grad).peak_bytes
+        assert torch.equal(ours, plain), f"step {k}"
+        if k:  # (the first step makes the optimizer's state)
+            assert peak <= ratio * CHUNK_ELEMENTS * 4 + 1024, (peak, ratio)
+    assert len(steps.optimizers[id(ours)]) == 4
+    assert ours.grad is None
+
+
+def test_an_optimizer_not_known_to_be_elementwise_steps_whole():
+    class Scaled(torch.optim.Adam):  # a subclass may look across elements: stepped whole
+        pass
+
+    assert steps_by_chunks(optimizer_factory("adam"))
+    assert not steps_by_chunks(lambda ps: Scaled(ps, lr=1e-3))
+    steps = PerParameterSteps(lambda ps: Scaled(ps, lr=1e-3))
+    param = torch.nn.Parameter(torch.zeros(2 * CHUNK_ELEMENTS))
+    steps.step(param, torch.ones_like(param))
+    assert len(steps.optimizers[id(param)]) == 1
+    assert float(param[0]) == pytest.approx(-1e-3)
+
+
 @functools.cache
 def setup():
     torch.manual_seed(0)
@@ -75,6 +121,14 @@ def test_build_problem_marks_the_step():
     assert sum(n.param_grad_freed_bytes for n in problem.nodes) == params
     assert problem.meta["step_in_backward"]["step_bytes_per_param_byte"] == pytest.approx(2.0, abs=0.01)
     assert problem.fingerprint.endswith(":step-in-backward")
+    # layer 4's 3x3 convolutions (2.4M elements) step by chunks: one chunk's temporaries; a
+    # parameter of one chunk or less, its own
+    # (the meta's ratio is rounded to 4 digits)
+    ratio = problem.meta["step_in_backward"]["step_bytes_per_param_byte"]
+    step = {n.name: n.param_step_bytes for n in problem.nodes}
+    assert model.layer4[0].conv2.weight.numel() > 4 * CHUNK_ELEMENTS
+    assert step["layer4_0_conv2"] == pytest.approx(ratio * CHUNK_ELEMENTS * 4, rel=1e-3)
+    assert step["layer1_0_conv2"] == pytest.approx(ratio * model.layer1[0].conv2.weight.numel() * 4, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum", "adam"])
