@@ -22,7 +22,7 @@ norm is not). Users call only `loss.backward()`: no `optimizer.step()`, no `zero
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -94,16 +94,76 @@ def step_bytes(ratio: float, param_bytes: int, element_size: int, chunked: bool)
 
 
 class PerParameterSteps:
-    """One optimizer per parameter, made on first use by `factory([param])`; for an `ELEMENTWISE`
-    optimizer and a contiguous parameter of more than `CHUNK_ELEMENTS` elements, one per chunk
-    of it (a 1-d view of the parameter's storage, re-pointed at the storage each step, so
-    `param.data = ...` is followed). `optimizers[id(param)]`: the list of them."""
+    """One optimizer per parameter, made by `factory([param])`; for an `ELEMENTWISE` optimizer and
+    a contiguous parameter of more than `CHUNK_ELEMENTS` elements, one per chunk of it (a 1-d view
+    of the parameter's storage, re-pointed at the storage each step, so `param.data = ...` is
+    followed). `optimizers[id(param)]`: the list of them.
 
-    def __init__(self, factory: OptimizerFactory, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    named: (name, parameter) pairs (`model.named_parameters()`): their optimizers are made now,
+    so `all()` lists them before the first step (learning-rate schedulers: one per optimizer),
+    and `state_dict()` names them. A parameter first seen in `step` gets its optimizers then.
+    """
+
+    STATE_FORMAT = "monet-opt per-parameter steps"
+
+    def __init__(
+        self,
+        factory: OptimizerFactory,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        named: Iterable[tuple[str, nn.Parameter]] = (),
+    ) -> None:
         self.factory = factory
         self.chunk_elements = chunk_elements if steps_by_chunks(factory) else None
         self.optimizers: dict[int, list[torch.optim.Optimizer]] = {}
+        self.names: dict[int, str] = {}
         self._chunks: dict[int, list[tuple[torch.Tensor, int]]] = {}  # (view, first element)
+        for name, param in named:
+            self.names[id(param)] = name
+            if param.requires_grad:
+                self.optimizers[id(param)] = self._make(param)
+
+    def all(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer made so far, parameter by parameter (a parameter's chunks in order)."""
+        return [opt for opts in self.optimizers.values() for opt in opts]
+
+    def state_dict(self) -> dict:
+        """The optimizers' states by parameter name: {"format", "chunk_elements", "params": {name:
+        [each chunk's `optimizer.state_dict()`]}}, for `torch.save` with the model's."""
+        unnamed = [pid for pid in self.optimizers if pid not in self.names]
+        if unnamed:
+            raise ValueError(
+                f"{len(unnamed)} stepped parameter(s) have no name; make PerParameterSteps with "
+                "named=model.named_parameters()"
+            )
+        return {
+            "format": self.STATE_FORMAT,
+            "chunk_elements": self.chunk_elements,
+            "params": {
+                self.names[pid]: [opt.state_dict() for opt in opts] for pid, opts in self.optimizers.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict()` returned (same parameters by name, same chunking)."""
+        if not isinstance(state, dict) or state.get("format") != self.STATE_FORMAT:
+            raise ValueError(f"not a {self.STATE_FORMAT!r} state dict")
+        if state["chunk_elements"] != self.chunk_elements:
+            raise ValueError(
+                f"the state was saved with parameters stepped in chunks of {state['chunk_elements']} "
+                f"elements, these steps use {self.chunk_elements}"
+            )
+        ours = {self.names[pid]: opts for pid, opts in self.optimizers.items() if pid in self.names}
+        saved = state["params"]
+        missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+        if missing or unexpected:
+            raise ValueError(
+                f"optimizer state does not match the parameters: missing {missing}, unexpected {unexpected}"
+            )
+        for name, opts in ours.items():
+            if len(saved[name]) != len(opts):
+                raise ValueError(f"parameter {name}: {len(saved[name])} chunk states saved, {len(opts)} here")
+            for opt, sd in zip(opts, saved[name]):
+                opt.load_state_dict(sd)
 
     def step(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         opts = self.optimizers.get(id(param))
@@ -148,7 +208,7 @@ class PerParameterSteps:
 def fuse_into_backward(model: nn.Module, factory: OptimizerFactory) -> list:
     """Plain PyTorch with the step in the backward: each parameter steps when its gradient has
     been accumulated (`register_post_accumulate_grad_hook`). Returns the hook handles."""
-    steps = PerParameterSteps(factory)
+    steps = PerParameterSteps(factory, named=model.named_parameters())
 
     def hook(param: torch.Tensor) -> None:
         steps.step(param, param.grad)

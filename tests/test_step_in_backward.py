@@ -267,3 +267,55 @@ def test_a_tied_parameter_steps_once_after_its_last_reader(strategy):
     assert len(wrapped.steps.optimizers) == len(list(ours.parameters()))
     for (n, pa), pb in zip(plain.named_parameters(), ours.parameters()):
         torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"parameter {n}")
+
+
+def test_learning_rate_schedulers_and_a_saved_state_resume_like_plain_training():
+    """One StepLR per optimizer of `wrapped.steps.all()` follows plain training's single StepLR;
+    the steps' state saved after two steps and loaded into a fresh wrapper (model copied) gives
+    the same third step as going on."""
+    model, x, problem = setup()
+    schedule = baselines.chen_sqrt(problem)
+    plain, ours = copy.deepcopy(model), copy.deepcopy(model)
+    opt = optimizer_factory("adam")(list(plain.parameters()))
+    plain_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    wrapped = MonetWrapper(ours, schedule, example_inputs=(x,), optimizer="adam")
+    chunked = [p for p in ours.parameters() if len(wrapped.steps.optimizers[id(p)]) > 1]
+    assert chunked  # layer 4's convolutions step by chunks
+    ours_lr = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in wrapped.steps.all()]
+    for step in range(2):
+        for net in (plain, wrapped):
+            torch.manual_seed(step)
+            loss_of(net(x)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        plain_lr.step()
+        for s in ours_lr:
+            s.step()
+    state = copy.deepcopy(wrapped.steps.state_dict())
+    assert set(state["params"]) == {n for n, p in ours.named_parameters()}
+    resumed_model = copy.deepcopy(ours)
+    resumed = MonetWrapper(resumed_model, schedule, example_inputs=(x,), optimizer="adam")
+    resumed.steps.load_state_dict(state)
+    for net in (plain, wrapped, resumed):
+        torch.manual_seed(2)
+        loss_of(net(x)).backward()
+    opt.step()
+    assert all(o.param_groups[0]["lr"] == pytest.approx(1e-3 / 4) for o in resumed.steps.all())
+    for (n, pa), pb, pr in zip(plain.named_parameters(), ours.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"scheduled: parameter {n}")
+        assert torch.equal(pr, pb), f"resumed: parameter {n}"
+
+
+def test_a_state_dict_for_other_parameters_or_chunks_is_refused():
+    model, x, problem = setup()
+    schedule = baselines.chen_sqrt(problem)
+    wrapped = MonetWrapper(copy.deepcopy(model), schedule, example_inputs=(x,), optimizer="adam")
+    state = wrapped.steps.state_dict()
+    other = PerParameterSteps(optimizer_factory("adam"), chunk_elements=CHUNK_ELEMENTS // 2)
+    with pytest.raises(ValueError, match="chunks of 524288 elements, these steps use 262144"):
+        other.load_state_dict(state)
+    fewer = {**state, "params": {k: v for k, v in state["params"].items() if k != "fc.weight"}}
+    with pytest.raises(ValueError, match=r"missing \['fc.weight'\]"):
+        wrapped.steps.load_state_dict(fewer)
+    with pytest.raises(ValueError, match="not a 'monet-opt per-parameter steps' state dict"):
+        wrapped.steps.load_state_dict({"state": {}, "param_groups": []})

@@ -102,8 +102,10 @@ class MonetWrapper(nn.Module):
     (`params -> torch.optim.Optimizer`, called once per parameter) or a name in
     `monet_opt.step_in_backward.OPTIMIZERS`. Each parameter is then updated inside
     `loss.backward()` as soon as its gradient is complete, and `.grad` stays None:
-    call neither `optimizer.step()` nor `zero_grad()`. The per-parameter optimizers are
-    `wrapper.steps.optimizers`.
+    call neither `optimizer.step()` nor `zero_grad()`. The per-parameter optimizers (per chunk
+    of a large parameter) are `wrapper.steps.all()`, made here (a learning-rate scheduler: one
+    per optimizer); `wrapper.steps.state_dict()` / `load_state_dict()` save and restore them by
+    parameter name.
     """
 
     def __init__(
@@ -147,7 +149,7 @@ class MonetWrapper(nn.Module):
         self._all_params = list(model.parameters())
         self.steps = None
         if optimizer is not None:
-            self.steps = PerParameterSteps(optimizer_factory(optimizer))
+            self.steps = PerParameterSteps(optimizer_factory(optimizer), named=model.named_parameters())
             self.executor.step_in_backward(self.steps.step)
 
     def forward(self, *inputs: Any) -> Any:
