@@ -102,6 +102,11 @@ class PerParameterSteps:
     named: (name, parameter) pairs (`model.named_parameters()`): their optimizers are made now,
     so `all()` lists them before the first step (learning-rate schedulers: one per optimizer),
     and `state_dict()` names them. A parameter first seen in `step` gets its optimizers then.
+
+    average_over_ranks: under torch.distributed (default process group, more than one rank),
+    each gradient is averaged over the ranks (`all_reduce`, then divided by the world size, as
+    DistributedDataParallel averages) before its step: the gradient never reaches `.grad`, so
+    DDP's own reduction never sees it, and without this every rank would step with its own.
     """
 
     STATE_FORMAT = "monet-opt per-parameter steps"
@@ -111,8 +116,10 @@ class PerParameterSteps:
         factory: OptimizerFactory,
         chunk_elements: int = CHUNK_ELEMENTS,
         named: Iterable[tuple[str, nn.Parameter]] = (),
+        average_over_ranks: bool = False,
     ) -> None:
         self.factory = factory
+        self.average_over_ranks = average_over_ranks
         self.chunk_elements = chunk_elements if steps_by_chunks(factory) else None
         self.optimizers: dict[int, list[torch.optim.Optimizer]] = {}
         self.names: dict[int, str] = {}
@@ -166,6 +173,11 @@ class PerParameterSteps:
                 opt.load_state_dict(sd)
 
     def step(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if self.average_over_ranks:
+            world = _world_size()
+            if world > 1:
+                torch.distributed.all_reduce(grad)
+                grad.div_(world)
         opts = self.optimizers.get(id(param))
         if opts is None:
             opts = self.optimizers[id(param)] = self._make(param)
@@ -203,6 +215,12 @@ class PerParameterSteps:
             ]
         self._chunks[id(param)] = chunks
         return [self.factory([view]) for view, _ in chunks]
+
+
+def _world_size() -> int:
+    """Ranks in torch.distributed's default process group (1 if there is none)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def fuse_into_backward(model: nn.Module, factory: OptimizerFactory) -> list:

@@ -106,6 +106,9 @@ class MonetWrapper(nn.Module):
     of a large parameter) are `wrapper.steps.all()`, made here (a learning-rate scheduler: one
     per optimizer); `wrapper.steps.state_dict()` / `load_state_dict()` save and restore them by
     parameter name.
+    Under torch.distributed (more than one rank) each parameter's gradient is averaged over the
+    ranks before its step, as DistributedDataParallel would (the wrapper may be wrapped in DDP
+    or not: DDP never sees these gradients).
     """
 
     def __init__(
@@ -149,7 +152,9 @@ class MonetWrapper(nn.Module):
         self._all_params = list(model.parameters())
         self.steps = None
         if optimizer is not None:
-            self.steps = PerParameterSteps(optimizer_factory(optimizer), named=model.named_parameters())
+            self.steps = PerParameterSteps(
+                optimizer_factory(optimizer), named=model.named_parameters(), average_over_ranks=True
+            )
             self.executor.step_in_backward(self.steps.step)
 
     def forward(self, *inputs: Any) -> Any:
