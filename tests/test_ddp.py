@@ -30,6 +30,12 @@ def _worker(rank: int, world: int, init_file: str, schedule_path: str, state: di
         dist.destroy_process_group()
 
 
+def _two_ranks(worker, tmp_path, state: dict, xs, out) -> None:
+    """Run worker(rank, 2, init file, tmp_path/schedule.json, state, xs, out) in 2 processes."""
+    args = (2, str(tmp_path / "init"), str(tmp_path / "schedule.json"), state, xs, str(out))
+    mp.spawn(worker, args=args, nprocs=2, join=True)
+
+
 def test_ddp_gradients_equal_single_process(tmp_path):
     torch.manual_seed(0)
     model, x = models.resnet18(batch=2, size=32)
@@ -55,12 +61,7 @@ def test_ddp_gradients_equal_single_process(tmp_path):
     torch.set_num_threads(threads)
 
     out = tmp_path / "grads.pt"
-    mp.spawn(
-        _worker,
-        args=(2, str(tmp_path / "init"), str(tmp_path / "schedule.json"), state, xs, str(out)),
-        nprocs=2,
-        join=True,
-    )
+    _two_ranks(_worker, tmp_path, state, xs, out)
     got = torch.load(out)
     for n, g in expected.items():
         torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=f"grad of {n}")
@@ -109,12 +110,7 @@ def test_ddp_with_the_step_in_the_backward_steps_with_the_averaged_gradient(tmp_
     torch.set_num_threads(threads)
 
     out = tmp_path / "params"
-    mp.spawn(
-        _step_worker,
-        args=(2, str(tmp_path / "init"), str(tmp_path / "schedule.json"), state, xs, str(out)),
-        nprocs=2,
-        join=True,
-    )
+    _two_ranks(_step_worker, tmp_path, state, xs, out)
     got = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for under_ddp in (False, True):
         for n, p in plain.named_parameters():
