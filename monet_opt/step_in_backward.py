@@ -225,7 +225,9 @@ def _world_size() -> int:
 
 def fuse_into_backward(model: nn.Module, factory: OptimizerFactory) -> list:
     """Plain PyTorch with the step in the backward: each parameter steps when its gradient has
-    been accumulated (`register_post_accumulate_grad_hook`). Returns the hook handles."""
+    been accumulated (`register_post_accumulate_grad_hook`). Returns the hook handles. One
+    process only (the benchmarks' baseline): under DistributedDataParallel the hook fires before
+    DDP has averaged the gradient; `MonetWrapper(..., optimizer=...)` averages it itself."""
     steps = PerParameterSteps(factory, named=model.named_parameters())
 
     def hook(param: torch.Tensor) -> None:
