@@ -82,8 +82,13 @@ def step_bytes_per_param_byte(factory: OptimizerFactory, device: torch.device | 
 
 
 def steps_by_chunks(factory: OptimizerFactory) -> bool:
-    """Whether `factory` makes an optimizer in `ELEMENTWISE` (its steps may run chunk by chunk)."""
-    return type(factory([nn.Parameter(torch.zeros(1))])) in ELEMENTWISE
+    """Whether `factory` makes an optimizer in `ELEMENTWISE` (its steps may run chunk by chunk),
+    asked of one made for a 1-element CPU parameter (a factory that refuses one: no)."""
+    try:
+        probe = factory([nn.Parameter(torch.zeros(1))])
+    except Exception:
+        return False
+    return type(probe) in ELEMENTWISE
 
 
 def step_bytes(ratio: float, param_bytes: int, element_size: int, chunked: bool) -> int:
@@ -197,6 +202,8 @@ class PerParameterSteps:
         with torch.no_grad():
             for opt, (view, start) in zip(opts, chunks):
                 n = view.numel()
+                if view.device != param.device or view.dtype != param.dtype:
+                    view.data = param.new_empty(0)  # the model moved or was cast since: follow it
                 view.set_(storage, offset + start, (n,), (1,))
                 view.grad = flat_grad[start : start + n]
                 opt.step()

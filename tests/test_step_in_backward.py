@@ -93,6 +93,33 @@ def test_a_large_parameter_steps_by_chunks_bitwise_in_one_chunks_memory(name):
     assert ours.grad is None
 
 
+def test_chunked_steps_follow_a_parameter_cast_after_they_were_made():
+    """The optimizers are made with the wrapper; a model cast (or moved) before its first step
+    still steps in place, as the whole-tensor optimizer of the cast parameter does."""
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(2 * CHUNK_ELEMENTS + 3))
+    steps = PerParameterSteps(optimizer_factory("adam"), named=[("w", ours)])
+    ours.data = ours.data.double()
+    plain = torch.nn.Parameter(ours.detach().clone())
+    whole = optimizer_factory("adam")([plain])
+    for _ in range(2):
+        grad = torch.randn_like(ours)
+        steps.step(ours, grad.clone())
+        plain.grad = grad
+        whole.step()
+        plain.grad = None
+    assert ours.dtype == torch.float64 and torch.equal(ours, plain)
+
+
+def test_a_factory_that_refuses_a_cpu_probe_steps_whole():
+    def cuda_only(params):
+        if any(p.device.type != "cuda" for p in params):
+            raise ValueError("CUDA parameters only")
+        return torch.optim.Adam(params)
+
+    assert not steps_by_chunks(cuda_only)
+
+
 def test_an_optimizer_not_known_to_be_elementwise_steps_whole():
     class Scaled(torch.optim.Adam):  # a subclass may look across elements: stepped whole
         pass
