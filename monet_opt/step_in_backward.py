@@ -32,8 +32,9 @@ FINGERPRINT_SUFFIX = ":step-in-backward"
 
 # Chunked steps: the step's temporaries (Adam: 2 bytes per parameter byte) are those of one
 # chunk. ResNet-50's layer-4 3x3 convolution (2.36M elements): Adam's temporaries 18 MiB -> 4 MiB,
-# and the step 7.8 ms -> 2.6 ms on this CPU (2 threads; the chunk's temporaries stay in cache);
-# the parameters after three steps are bitwise those of the whole-tensor step.
+# and its step alone 7.8 ms -> 2.6 ms on this CPU (2 threads); in whole ResNet-50 b8 224 training
+# steps with the step fused, no difference in step time, peak 674.5 -> 665.9 MiB; the parameters
+# are bitwise those of the whole-tensor step.
 CHUNK_ELEMENTS = 1 << 19
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
