@@ -1102,7 +1102,8 @@ class _Scaling:
     (costs down to 1e-6): HiGHS warns that such a model is badly scaled, and it wastes its
     time on it. Each row with a coefficient above 2 is scaled so that its largest lies in [1, 2)
     (the 0/1 logic rows are left as they are), the costs so that the largest lies in [1024,
-    2048), and columns in bytes (peak mode's peak, sum columns) are counted in MiB. Powers of two keep every coefficient, bound and solution exact."""
+    2048), and columns in bytes (peak mode's peak, sum columns) are counted in MiB. Powers of two
+    keep every coefficient, bound and solution exact."""
 
     PEAK_UNIT = 2.0**20
 
@@ -1854,8 +1855,8 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
     optimality, proves the plan optimal in every band of that size: the bands then double (while
     a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
     16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
-    1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound still bounds it).
-    Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
+    1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound
+    still bounds it). Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
     core; a band started before another band's improvement is kept only if it beats that.
     `accept(plan, objective)` replays and keeps a plan."""
     an = form.an
