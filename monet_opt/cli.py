@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -150,24 +151,34 @@ def _summary(problem, schedule) -> str:
 
 def cmd_solve(args) -> int:
     from monet_opt.pipeline import parse_budget, solve_model
-    from solver.milp import check_backend
+    from solver.baselines import no_recompute
+    from solver.milp import InfeasibleBudget, check_backend
 
     budget = parse_budget(args.budget)
     check_backend(args.milp_solver)  # before profiling
     spec, model, inputs, problem = _problem(args)
     if args.problem_out:
         problem.to_json(args.problem_out)
-    problem, schedule = solve_model(
-        model,
-        inputs,
-        budget,
-        time_limit=args.time_limit,
-        verbose=True,
-        problem=problem,
-        optimizer=getattr(args, "step_in_backward", None),
-        refine=args.refine,
-        milp_solver=args.milp_solver,
-    )
+    try:
+        problem, schedule = solve_model(
+            model,
+            inputs,
+            budget,
+            time_limit=args.time_limit,
+            verbose=True,
+            problem=problem,
+            optimizer=getattr(args, "step_in_backward", None),
+            refine=args.refine,
+            milp_solver=args.milp_solver,
+        )
+    except InfeasibleBudget as exc:
+        # the user may think in fractions of plain PyTorch's peak: say the smallest one as well
+        plain = no_recompute(problem).predicted_peak_bytes
+        raise InfeasibleBudget(
+            f"{exc}; as a fraction of plain PyTorch's peak ({plain / 2**20:.1f} MiB): --budget "
+            f"{math.ceil(1000 * exc.minimum_bytes / plain) / 1000:g}",
+            exc.minimum_bytes,
+        ) from None
     if args.problem_out and args.refine:
         problem.to_json(args.problem_out)  # the corrected costs the schedule was solved on
     print(_summary(problem, schedule))

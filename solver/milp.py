@@ -1164,6 +1164,10 @@ def log(verbose: bool, msg: str) -> None:
         print(f"[solver] {msg}", file=sys.stderr, flush=True)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 # ---------------------------------------------------------------------------------------------
 class InfeasibleBudget(ValueError):
     """No schedule fits the budget; `minimum_bytes` is the smallest budget known to be needed/enough."""
@@ -1320,6 +1324,19 @@ def _solve(
             else:
                 known, name = min_known_peak(problem)
                 known = min(known, low_peak)
+                w_low, res_low = low.last
+                if w_low is None and res_low is not None and res_low.status == "optimal":
+                    # the peak MILP over every schedule ended optimal: more time is unlikely to find a
+                    # lower peak (not a proof: its objective also prefers fast plans, by up to
+                    # PEAK_MODE_TIME_MIB per no-recompute step time, and its rows over-approximate)
+                    raise InfeasibleBudget(
+                        f"budget {_mib(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak "
+                        f"monet-opt finds: {_mib(known)} ({known} bytes; the MILP minimising the peak over "
+                        f"every schedule ended optimal, so a longer time limit is unlikely to find less; "
+                        f"no schedule goes below {_mib(lb)}, the memory none can avoid); a budget of "
+                        f"{known} bytes works, and 'min' solves for the smallest peak",
+                        known,
+                    )
                 raise NoScheduleFound(
                     f"no schedule within budget {budget_bytes} bytes found in {time_limit:.0f} s; the "
                     f"lower bound is {lb} bytes and the smallest peak found is {known} bytes (MILP "

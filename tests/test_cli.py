@@ -139,3 +139,25 @@ def test_keep_freed_memory_is_applied_before_calibrating(tmp_path):
     kept = sys.platform.startswith("linux")  # glibc's mallopt
     assert meta["in_situ_calibration"]["freed_memory_kept"] is kept
     assert [r["freed_memory_kept"] for r in meta["schedule_calibration"]] == [kept]
+
+
+def test_a_budget_under_the_smallest_peak_says_it_as_a_fraction_too(tmp_path, capsys):
+    """The user asked in fractions of plain PyTorch's peak: the error says the minimum as one too."""
+    from solver import min_feasible_lower_bound, simulate
+
+    path, problem_path = tmp_path / "min.json", tmp_path / "problem.json"
+    assert (
+        main(["solve", *SMALL, "--budget", "min", "-o", str(path), "--problem-out", str(problem_path)]) == 0
+    )
+    problem = Problem.from_json(problem_path)
+    lowest = simulate(problem, Schedule.from_json(path)).peak_bytes
+    plain = solver.baselines.no_recompute(problem).predicted_peak_bytes
+    too_low = (lowest - 2**14) / plain
+    assert too_low * plain > min_feasible_lower_bound(problem)
+    capsys.readouterr()
+    assert main(["solve", *SMALL, "--budget", f"{too_low:.6f}"]) == 2
+    err = capsys.readouterr().err
+    assert "of plain PyTorch's peak" in err and "Traceback" not in err
+    fraction = float(err.split("--budget ")[-1].split()[0])
+    assert fraction * plain >= lowest - 2**14
+    assert main(["solve", *SMALL, "--budget", str(fraction)]) == 0  # the fraction it names works

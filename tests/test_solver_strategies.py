@@ -776,3 +776,23 @@ def test_a_wider_window_that_would_overrun_the_time_limit_is_skipped(monkeypatch
     windows = {a["window"] for a in s.meta["milp_attempts"]}
     assert windows == {6}, s.meta["milp_attempts"]
     assert "window unbounded skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["chain8", "random24", "resnet50"])
+def test_a_budget_under_the_smallest_peak_names_a_budget_that_works(name):
+    """Just under the smallest peak `minimum_peak` finds (above the lower bound): the error states a
+    minimum, and that minimum, given as the budget, solves. When the peak MILP over every schedule
+    ended optimal the message does not send the user to a longer time limit."""
+    p = PROBLEMS[name]
+    lowest = minimum_peak(p, time_limit=10, verbose=False).predicted_peak_bytes
+    budget = lowest - 1
+    assert budget >= min_feasible_lower_bound(p), "the zoo problem no longer has a gap to test"
+    with pytest.raises(InfeasibleBudget) as ei:
+        solve(p, budget, time_limit=10, verbose=False)
+    exc = ei.value
+    assert exc.minimum_bytes > budget and str(exc.minimum_bytes) in str(exc)
+    if not isinstance(exc, NoScheduleFound):
+        message = str(exc)
+        assert "a longer time limit is unlikely" in message and "raise the budget or the time" not in message
+    s = solve(p, exc.minimum_bytes, time_limit=10, verbose=False)
+    _check(p, s, exc.minimum_bytes)
