@@ -14,6 +14,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file private (0600): give it the mode a plain open() would (the
+        # replaced file's, else 0666 less the umask), so teammates can read shared schedules
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -23,6 +26,15 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _mode_for(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def read_json_object(path: str | Path, what: str) -> dict:

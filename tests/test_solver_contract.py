@@ -341,3 +341,22 @@ def test_simulator_writes_an_in_place_forward_into_its_freed_input():
         200,
         204,
     ]
+
+
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
+    """Atomic writes go through a private temporary file; the result is readable like any file
+    the user writes (0666 less the umask), and a replaced file keeps its mode."""
+    import os
+    import stat
+
+    s = no_recompute(chain(4, seed=0))
+    old = os.umask(0o022)
+    try:
+        s.to_json(tmp_path / "s.json")
+        assert stat.S_IMODE((tmp_path / "s.json").stat().st_mode) == 0o644
+        (tmp_path / "s.json").chmod(0o640)
+        s.to_json(tmp_path / "s.json")
+        assert stat.S_IMODE((tmp_path / "s.json").stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary file left
