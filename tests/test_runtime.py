@@ -933,3 +933,50 @@ def test_interleaved_samples_alternate_order_and_pair_the_ratios():
     assert "".join(calls) == "aabbbbaaaabb"
     med, q1, q3 = paired_ratio([1.0, 2.0, 4.0, 1.0], [1.1, 2.0, 4.4, 1.3])
     assert med == pytest.approx(1.1) and q1 <= med <= q3
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(32, 64)
+        self.main = nn.Linear(64, 10)
+        self.aux = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.main(h), self.aux(h)
+
+
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_a_parameter_the_loss_does_not_reach_keeps_no_gradient(optimizer):
+    """The loss reads one of two outputs: the other head's parameters get grad None, as in plain
+    PyTorch (zeros would let AdamW's weight decay and state move them), and training stays equal."""
+    from monet_opt.step_in_backward import fuse_into_backward, optimizer_factory
+
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(16, 32)
+    plain = copy.deepcopy(model)
+    problem = build_problem(model, (x,), progress=False, repeats=1, optimizer=optimizer)
+    wrapped = MonetWrapper(
+        model,
+        solver.solve(problem, 1.0, time_limit=5, verbose=False),
+        example_inputs=(x,),
+        optimizer=optimizer,
+    )
+    if optimizer is None:
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, plain)]
+    else:
+        fuse_into_backward(plain, optimizer_factory(optimizer))
+    for _ in range(2):
+        for net, m in ((wrapped, model), (plain, plain)):
+            net(x)[0].sum().backward()
+            if optimizer is None:
+                assert m.aux.weight.grad is None and m.aux.bias.grad is None
+                assert m.main.weight.grad is not None
+        if optimizer is None:
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(model.main.weight, _TwoHeads().main.weight)  # (it did train)

@@ -27,6 +27,10 @@ class _ScheduledStep(torch.autograd.Function):
     def forward(ctx, executor: ScheduleExecutor, box: _SpecBox, autocast: tuple, n_inputs: int, *tensors):
         inputs = tensors[:n_inputs]
         ctx.params = tensors[n_inputs:]
+        # an output the loss does not use gets no gradient (None), not zeros: a parameter only it
+        # reads then keeps grad None, as in plain PyTorch (zeros would let weight decay, momentum
+        # and Adam's state move it)
+        ctx.set_materialize_grads(False)
         with _autocast(autocast):
             run, flat, spec = executor.run_forward(inputs)
         ctx.executor = executor
