@@ -143,8 +143,11 @@ def shipped_schedules() -> list[tuple[Path, dict]]:
 def load_schedule(
     model: str, batch: int, image: int | None = None, budget: float = 0.5, seq: int | None = None
 ) -> Schedule:
-    """The shipped schedule for (model, batch, image/seq) whose budget fraction is nearest."""
-    matches = []
+    """The shipped schedule for (model, batch, image/seq) with the largest budget fraction not
+    above `budget` (a budget is a memory cap: never one that needs more); a warning when that is
+    not `budget` itself."""
+    budget = float(budget)
+    shapes, fits = [], []
     for path, meta in shipped_schedules():
         if meta.get("model") != model or meta.get("batch") != batch:
             continue
@@ -152,38 +155,80 @@ def load_schedule(
             continue
         if seq is not None and meta.get("seq") not in (None, seq):
             continue
-        matches.append((abs(float(meta.get("budget_fraction", 1.0)) - budget), path))
-    if not matches:
+        fraction = float(meta.get("budget_fraction", 1.0))
+        shapes.append(fraction)
+        if fraction <= budget + 1e-9:
+            fits.append((fraction, path))
+    what = (
+        f"{model} batch {batch}"
+        + (f" image {image}" if image is not None else "")
+        + (f" seq {seq}" if seq is not None else "")
+    )
+    size = f"--image {image}" if image is not None else (f"--seq {seq}" if seq is not None else "")
+    make = f"make one with: monet-opt solve {model} --batch {batch} {size} --budget {budget:g} -o FILE.json"
+    if not shapes:
         have = ", ".join(
-            f"{m.get('model')}@{m.get('budget_fraction')} (batch {m.get('batch')}, image {m.get('image')})"
+            f"{m.get('model')}@{m.get('budget_fraction')} (batch {m.get('batch')}, "
+            + (f"image {m.get('image')})" if m.get("image") is not None else f"seq {m.get('seq')})")
             for _, m in shipped_schedules()
         )
         raise FileNotFoundError(
-            f"no shipped schedule for {model} batch {batch} image {image}; shipped: {have or 'none'}. "
-            f"Make one with: monet-opt solve {model} --batch {batch} --image {image} --budget {budget} -o FILE.json"
+            f"no shipped schedule for {what}; shipped: {have or 'none'}. {make.capitalize()}"
         )
-    schedule = Schedule.from_json(min(matches)[1])
+    if not fits:
+        raise FileNotFoundError(
+            f"no shipped schedule for {what} at a budget of {budget:g} of plain PyTorch's peak or less "
+            f"(shipped budgets: {', '.join(f'{f:g}' for f in sorted(shapes))}); {make}"
+        )
+    fraction, path = max(fits)
+    if abs(fraction - budget) > 1e-9:
+        warnings.warn(
+            f"no shipped {what} schedule at budget {budget:g}; using {fraction:g}, the largest shipped "
+            f"budget below it (less memory, more recomputation); {make}",
+            stacklevel=2,
+        )
+    schedule = Schedule.from_json(path)
     warn_if_other_device(schedule)
     return schedule
 
 
-def load_schedule_by_shortcut(text: str) -> Schedule:
-    """'resnet50@0.5' or 'resnet50@0.5:b8:i224' -> the nearest shipped schedule."""
+def load_schedule_by_shortcut(text: str, input_shape: tuple[int, ...] | None = None) -> Schedule:
+    """'resnet50@0.5' or 'resnet50@0.5:b8:i224' -> the shipped schedule (`load_schedule`). Batch
+    and image (or sequence length) not given in the text come from `input_shape`, the shape the
+    wrapper is made for (batch first; an image's last dimension, a token sequence's second)."""
     if "@" not in text:
         raise FileNotFoundError(f"schedule file not found: {text}")
     model, rest = text.split("@", 1)
     parts = rest.split(":")
-    budget = float(parts[0])
-    batch, image = None, None
-    for p in parts[1:]:
-        if p.startswith("b"):
-            batch = int(p[1:])
-        elif p.startswith("i"):
-            image = int(p[1:])
-    candidates = [m for _, m in shipped_schedules() if m.get("model") == model]
-    if batch is None and candidates:
-        batch = candidates[0].get("batch")
-    return load_schedule(model, batch=batch or 0, image=image, budget=budget)
+    usage = (
+        "a shipped-schedule shortcut is MODEL@FRACTION[:bBATCH][:iIMAGE][:sSEQ], e.g. resnet50@0.5:b8:i224"
+    )
+    try:
+        budget = float(parts[0])
+        batch = image = seq = None
+        for p in parts[1:]:
+            if p[:1] == "b":
+                batch = int(p[1:])
+            elif p[:1] == "i":
+                image = int(p[1:])
+            elif p[:1] == "s":
+                seq = int(p[1:])
+            else:
+                raise ValueError(p)
+    except ValueError:
+        raise ValueError(f"bad schedule shortcut {text!r}: {usage}") from None
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"bad schedule shortcut {text!r}: the budget is a fraction in (0, 1]; {usage}")
+    if input_shape is not None and len(input_shape) >= 1:
+        batch = batch if batch is not None else int(input_shape[0])
+        if len(input_shape) == 4 and image is None and seq is None:
+            image = int(input_shape[-1])
+        elif len(input_shape) == 2 and image is None and seq is None:
+            seq = int(input_shape[1])
+    if batch is None:
+        candidates = [m for _, m in shipped_schedules() if m.get("model") == model]
+        batch = candidates[0].get("batch") if candidates else 0
+    return load_schedule(model, batch=batch, image=image, budget=budget, seq=seq)
 
 
 def warn_if_other_device(schedule: Schedule) -> None:

@@ -34,6 +34,23 @@ def test_shipped_schedule_fits_its_model(path, meta):
     MonetWrapper(model, path, example_inputs=spec.example_inputs())
 
 
+def test_shortcut_takes_the_batch_and_image_of_the_input_and_never_a_larger_budget():
+    from monet_opt.zoo import load_schedule_by_shortcut
+
+    got = load_schedule_by_shortcut("resnet50@0.5", (8, 3, 224, 224))
+    assert (got.meta["batch"], got.meta["image"], got.meta["budget_fraction"]) == (8, 224, 0.5)
+    got = load_schedule_by_shortcut("resnet50@0.5", (16, 3, 224, 224))
+    assert got.meta["batch"] == 16
+    with pytest.warns(UserWarning, match="using 0.4"):
+        got = load_schedule_by_shortcut("resnet50@0.42", (8, 3, 224, 224))
+    assert got.meta["budget_fraction"] == 0.4
+    with pytest.raises(FileNotFoundError, match="shipped budgets: 0.33"):
+        load_schedule_by_shortcut("resnet50@0.2", (8, 3, 224, 224))
+    for bad in ("resnet50@half", "resnet50@0.5:x3", "resnet50@1.5"):
+        with pytest.raises(ValueError, match="bad schedule shortcut"):
+            load_schedule_by_shortcut(bad, (8, 3, 224, 224))
+
+
 def test_load_schedule_nearest_budget_and_errors():
     path, meta = SHIPPED[0]
     got = load_schedule(

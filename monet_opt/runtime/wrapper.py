@@ -82,7 +82,9 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def resolve_schedule(schedule: Schedule | str | Path) -> Schedule:
+def resolve_schedule(schedule: Schedule | str | Path, input_shape: tuple[int, ...] | None = None) -> Schedule:
+    """A Schedule, from itself, a JSON path, or a shipped-schedule shortcut ("resnet50@0.5"),
+    whose batch and image size come from `input_shape` (the first input's) unless it names them."""
     if isinstance(schedule, Schedule):
         return schedule
     path = Path(schedule)
@@ -90,7 +92,23 @@ def resolve_schedule(schedule: Schedule | str | Path) -> Schedule:
         return Schedule.from_json(path)
     from monet_opt.zoo import load_schedule_by_shortcut
 
-    return load_schedule_by_shortcut(str(schedule))
+    return load_schedule_by_shortcut(str(schedule), input_shape)
+
+
+def _flat_dims(input_shape) -> list:
+    out = []
+    for d in input_shape:
+        out.extend(_flat_dims(d) if isinstance(d, (tuple, list)) else [d])
+    return out
+
+
+def _first_shape(input_shape, example_inputs) -> tuple[int, ...] | None:
+    if example_inputs is not None:
+        first = example_inputs if isinstance(example_inputs, torch.Tensor) else example_inputs[0]
+        return tuple(first.shape) if isinstance(first, torch.Tensor) else None
+    if input_shape is None or len(input_shape) == 0:
+        return None
+    return tuple(input_shape) if isinstance(input_shape[0], int) else tuple(input_shape[0])
 
 
 class MonetWrapper(nn.Module):
@@ -127,7 +145,9 @@ class MonetWrapper(nn.Module):
         from monet_opt.graph import trace
 
         self.model = model
-        self.schedule = resolve_schedule(schedule)
+        if input_shape is not None and any(isinstance(d, torch.Tensor) for d in _flat_dims(input_shape)):
+            raise TypeError("input_shape takes shapes; pass example tensors as example_inputs=(x,)")
+        self.schedule = resolve_schedule(schedule, _first_shape(input_shape, example_inputs))
         if example_inputs is None:
             if input_shape is None:
                 shapes = self.schedule.meta.get("input_shapes")
