@@ -26,15 +26,29 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MiB:.1f} MiB"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
         help="torchvision model name (resnet50, vgg16, ...), 'gpt', 'timm/NAME', 'hf/gpt2' "
         "(also hf/gpt2-medium, hf/bert-base; ids in, loss out), or 'module.path:factory'",
     )
-    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    p.add_argument("--image", type=int, default=224, help="image side for vision models (default 224)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length for token models (default 128)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
+    p.add_argument(
+        "--image", type=_positive_int, default=224, help="image side for vision models (default 224)"
+    )
+    p.add_argument(
+        "--seq", type=_positive_int, default=128, help="sequence length for token models (default 128)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-cache", action="store_true", help="profile again even if cached")
     p.add_argument(
@@ -368,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="run a schedule and plain PyTorch side by side: measured peak and step time"
     )
     p.add_argument("file")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=3,
+        help="timed steps of each model, alternating (default 3; 11+ for quartiles that mean something)",
+    )
     _keep_freed_arg(p)
     p.set_defaults(func=cmd_bench)
 
@@ -393,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output was piped into something that stopped reading (head)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141
     except (ValueError, FileNotFoundError, RuntimeError, ImportError) as exc:
         print(f"monet-opt {args.command}: error: {exc}", file=sys.stderr)
         return 2

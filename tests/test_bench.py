@@ -3,6 +3,7 @@ faults, and keeping freed memory in the process."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,23 @@ def test_bench_reports_paired_quartiles_and_page_faults(narrow):
     assert res.plain_page_faults >= 0 and res.wrapped_page_faults >= 0
     table = res.table()
     assert "paired; quartiles" in table and "page faults per step" in table
+
+
+def test_bench_of_a_step_in_backward_schedule_has_one_baseline(narrow):
+    """Peak and time against the same plain model: the one with the step in its backward, whose
+    peak the schedule's budget fractions are of (the unfused model's holds every gradient)."""
+    from monet_opt.bench import measure_step_peak
+
+    model, x, _ = narrow
+    problem = build_problem(model, (x,), progress=False, repeats=1, optimizer="sgd")
+    schedule = baselines.no_recompute(problem)
+    schedule = dataclasses.replace(schedule, meta={"step_in_backward": problem.meta["step_in_backward"]})
+    res = bench_model(model, (x,), schedule, steps=1, name="narrow")
+    assert res.plain_name == "plain PyTorch + sgd step in backward"
+    predicted_plain = baselines.no_recompute(problem).predicted_peak_bytes
+    assert abs(res.plain_peak_bytes - predicted_plain) <= 0.05 * predicted_plain
+    assert res.plain_peak_bytes < measure_step_peak(model, (x,))
+    assert "vs plain PyTorch + sgd step in backward" in res.table()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")

@@ -161,3 +161,30 @@ def test_a_budget_under_the_smallest_peak_says_it_as_a_fraction_too(tmp_path, ca
     fraction = float(err.split("--budget ")[-1].split()[0])
     assert fraction * plain >= lowest - 2**14
     assert main(["solve", *SMALL, "--budget", str(fraction)]) == 0  # the fraction it names works
+
+
+@pytest.mark.parametrize(
+    "args", [["bench", "x.json", "--steps", "0"], ["solve", "resnet18", "--batch", "0", "--budget", "0.5"]]
+)
+def test_counts_below_one_are_refused_before_any_work(args, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(args)
+    assert ei.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_is_no_traceback():
+    """`monet-opt inspect FILE | head -1`: the reader goes away; exit quietly (141, as a shell's)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    path = os.path.join(os.path.dirname(__file__), "..", "schedules", "resnet50_b8_i224_0.33.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "monet_opt.cli", "inspect", path],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
