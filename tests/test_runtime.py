@@ -980,3 +980,20 @@ def test_a_parameter_the_loss_does_not_reach_keeps_no_gradient(optimizer):
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(model.main.weight, _TwoHeads().main.weight)  # (it did train)
+
+
+def test_a_second_backward_and_higher_order_gradients_are_clear_errors():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(
+        model, solver.solve(problem, 1.0, time_limit=3, verbose=False), example_inputs=(x,)
+    )
+    loss = wrapped(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True and a second backward"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(wrapped(x).sum(), x, create_graph=True)
+    wrapped(x).sum().backward()  # and the wrapper still trains

@@ -41,6 +41,17 @@ class _ScheduledStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.run is None:
+            raise RuntimeError(
+                "monet-opt: a wrapped forward's backward runs once (the schedule frees what it used "
+                "as it goes): retain_graph=True and a second backward through the same forward are "
+                "not supported; run the forward again"
+            )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "monet-opt: higher-order gradients (create_graph=True) through a wrapped model are "
+                "not supported: its backward is not differentiable; use the plain model for them"
+            )
         with _autocast(ctx.autocast):
             input_grads = ctx.executor.run_backward(ctx.run, list(grads))
         ctx.run = None
