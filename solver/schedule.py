@@ -108,7 +108,9 @@ class Schedule:
 
     def check_fingerprint(self, fingerprint: str, what: str = "model") -> None:
         if fingerprint != self.fingerprint:
-            made_for = self.meta.get("model_summary") or self.meta.get("model") or "another model"
+            made_for = (
+                self.meta.get("model_summary") or self.meta.get("model") or "another model or input shape"
+            )
             raise FingerprintMismatch(
                 f"this schedule was made for {made_for} (fingerprint {self.fingerprint[:12]}), "
                 f"not for this {what} (fingerprint {fingerprint[:12]}); solve again for this model and input shape"

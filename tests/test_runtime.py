@@ -305,16 +305,22 @@ def test_autocast_bf16_runs():
 
 
 def test_refuses_schedule_for_other_model_or_shape(tmp_path):
+    from monet_opt.pipeline import _with_problem_meta
+
     model, x, problem = setup("resnet18")
-    schedule = baselines.no_recompute(problem)
-    with pytest.raises(FingerprintMismatch, match="fingerprint"):
+    schedule = _with_problem_meta(problem, baselines.no_recompute(problem))  # as solve_model's
+    with pytest.raises(
+        FingerprintMismatch, match=r"fingerprint.*solved for input shapes \[\(4, 3, 64, 64\)\]"
+    ):
         MonetWrapper(model, schedule, example_inputs=(torch.randn(2, 3, 32, 32),))
     other, _ = models.resnet50(batch=4, size=64)
-    with pytest.raises(FingerprintMismatch):
+    with pytest.raises(FingerprintMismatch, match="input shapes agree: the model"):
         MonetWrapper(other, schedule, example_inputs=(x,))
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     with pytest.raises(InputShapeMismatch, match="shape"):
         wrapped(torch.randn(2, 3, 64, 64))
+    with pytest.raises(InputShapeMismatch, match=r"input dtype \['float64'\] differs .* \['float32'\]"):
+        wrapped(x.double())
     bad = tmp_path / "bad.json"
     bad.write_text('{"kind": "monet-opt schedule", "format_version": 1, "stages": [')
     with pytest.raises(ValueError, match="corrupt"):

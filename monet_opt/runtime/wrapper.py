@@ -15,7 +15,7 @@ from solver.schedule import FingerprintMismatch, Schedule
 
 
 class InputShapeMismatch(ValueError):
-    """The input's shape differs from the one the schedule was solved for."""
+    """The input's shape (or dtype) differs from the one the schedule was solved for."""
 
 
 class _SpecBox:
@@ -159,6 +159,7 @@ class MonetWrapper(nn.Module):
         if input_shape is not None and any(isinstance(d, torch.Tensor) for d in _flat_dims(input_shape)):
             raise TypeError("input_shape takes shapes; pass example tensors as example_inputs=(x,)")
         self.schedule = resolve_schedule(schedule, _first_shape(input_shape, example_inputs))
+        made_up = example_inputs is None  # zeros of the given shapes stand in for real inputs
         if example_inputs is None:
             if input_shape is None:
                 shapes = self.schedule.meta.get("input_shapes")
@@ -179,8 +180,14 @@ class MonetWrapper(nn.Module):
         graph = trace(model, example_inputs)
         _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
         expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
-        self.schedule.check_fingerprint(expected)
+        try:
+            self.schedule.check_fingerprint(expected)
+        except FingerprintMismatch as exc:
+            raise FingerprintMismatch(
+                f"{exc}{_what_differs(self.schedule, example_inputs, made_up)}"
+            ) from None
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
+        self.input_dtypes = [x.dtype for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
         # small GPT); which need gradients is asked every step
@@ -203,6 +210,13 @@ class MonetWrapper(nn.Module):
                 f"input shape {shapes} differs from the shape the schedule was solved for "
                 f"{self.input_shapes}; solve a schedule for this shape"
             )
+        dtypes = [x.dtype for x in inputs]
+        if dtypes != self.input_dtypes:
+            raise InputShapeMismatch(
+                f"input dtype {[str(d).removeprefix('torch.') for d in dtypes]} differs from the one the "
+                f"schedule was solved for {[str(d).removeprefix('torch.') for d in self.input_dtypes]}; "
+                "convert the input (autocast changes compute dtypes, not the input's), or solve for it"
+            )
         device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
         box = _SpecBox()
         params = [p for p in self._all_params if p.requires_grad]
@@ -210,6 +224,22 @@ class MonetWrapper(nn.Module):
             self.executor, box, _autocast_state(device_type), len(inputs), *inputs, *params
         )
         return tree_unflatten(list(flat), box.spec)
+
+
+def _what_differs(schedule: Schedule, example_inputs: tuple, made_up: bool) -> str:
+    """What a fingerprint mismatch comes from, where the schedule's metadata can tell."""
+    solved = schedule.meta.get("input_shapes")
+    shapes = [list(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)]
+    if solved and [list(s) for s in solved] != shapes:
+        return f". It was solved for input shapes {[tuple(s) for s in solved]}, these are {[tuple(s) for s in shapes]}"
+    if solved and made_up:
+        return (
+            ". The input shapes agree, so the traced graph differs: if the model's shapes or control flow "
+            "depend on the input's values, pass a real batch as example_inputs=(x,) instead of input_shape"
+        )
+    if solved:
+        return ". The input shapes agree: the model (its layers, their sizes or dtypes) differs"
+    return ""
 
 
 def _check_step_in_backward(schedule: Schedule, fingerprint: str, optimizer: Any) -> None:
