@@ -24,7 +24,17 @@ def no_recompute_peak(problem: Problem) -> int:
 
 def parse_budget(text: str | float | int) -> float | int | str:
     """'0.5' -> fraction 0.5; '2GiB', '800MB', '123456' -> bytes; 'min' -> 'min' (smallest peak found)."""
-    if isinstance(text, (int, float)):
+    if isinstance(text, bool):
+        raise ValueError(f"bad budget {text!r}: give a fraction in (0, 1], a number of bytes, or 'min'")
+    if isinstance(text, float):
+        if not 0.0 < text <= 1.0:
+            raise ValueError(f"bad budget {text}: a fractional budget is in (0, 1] (of plain PyTorch's peak)")
+        return text
+    if isinstance(text, int):
+        if text < 1:
+            raise ValueError(f"bad budget {text}: a budget in bytes must be positive")
+        if text == 1:
+            raise ValueError("bad budget 1: an int budget is bytes; for plain PyTorch's whole peak give 1.0")
         return text
     t = text.strip().replace(" ", "")
     if t.lower() == "min":
@@ -46,8 +56,13 @@ def parse_budget(text: str | float | int) -> float | int | str:
         if value is not None:
             if 0 < value <= 1:
                 return value
-            if value > 1 and value == int(value):
-                return int(value)
+            if value >= 2**20 and value == int(value):
+                return int(value)  # a number of bytes
+            if value > 1:
+                raise ValueError(
+                    f"bad budget {text!r}: a bare number above 1 is read as bytes, and {t} bytes is "
+                    "surely not meant; give a fraction in (0, 1] (e.g. 0.5) or a size with a unit (800MB, 2GiB)"
+                )
     raise ValueError(
         f"bad budget {text!r}: give a fraction of the plain-PyTorch peak in (0, 1] (e.g. 0.5) "
         "or a size such as 800MB, 2GiB or a number of bytes, or 'min' for the smallest peak the solver finds"
@@ -75,12 +90,12 @@ def solve_model(
     it (`time_limit` each); the problem returned is the last corrected one.
     milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`)."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
+    budget = parse_budget(budget)  # so does a bad budget
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     problem = problem or build_problem(
         model, example_inputs, progress=verbose, meta=meta, optimizer=optimizer, zero_pack=zero_pack
     )
-    budget = parse_budget(budget)
     if budget == "min":
         schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose, solver=milp_solver)
     else:

@@ -52,6 +52,8 @@ def test_sweep_writes_schedules_and_summary(tmp_path, capsys):
         (["solve", *SMALL, "--budget", "lots"], "bad budget"),
         (["solve", "no_such_model", "--budget", "0.5"], "unknown model"),
         (["solve", *SMALL, "--budget", "1KB"], "minimum"),
+        (["solve", *SMALL, "--budget", "2"], "a bare number above 1 is read as bytes"),
+        (["solve", *SMALL, "--budget", "-0.5"], "bad budget"),
         (["inspect", "/nonexistent/schedule.json"], "not found"),
     ],
 )
@@ -188,3 +190,18 @@ def test_output_into_a_closed_pipe_is_no_traceback():
     )
     os.close(write)
     assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_python_budgets_are_checked_before_profiling():
+    from monet_opt.pipeline import parse_budget
+
+    assert parse_budget(0.5) == 0.5 and parse_budget(10**8) == 10**8 and parse_budget("1") == 1.0
+    for bad, message in (
+        (1, "give 1.0"),
+        (0, "positive"),
+        (-5, "positive"),
+        (1.5, r"\(0, 1\]"),
+        (True, "bad budget"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_budget(bad)
