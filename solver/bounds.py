@@ -75,13 +75,26 @@ def min_feasible_lower_bound(problem: Problem) -> int:
 def explain_lower_bound(problem: Problem) -> str:
     """Which moment sets the lower bound (for error messages)."""
     an = Analysis(problem)
-    best = (problem.fixed_bytes, "fixed bytes")
+    best = (problem.fixed_bytes, "fixed bytes", None)
     for s in range(an.T):
         v = _backward_bound(an, s)
         if v > best[0]:
-            best = (v, f"the backward of {an.names[an.bw[s]]!r}")
+            best = (v, f"the backward of {an.names[an.bw[s]]!r}", s)
     for i in needed_nodes(an):
         v = _compute_bound(an, i)
         if v > best[0]:
-            best = (v, f"computing {an.names[i]!r}")
-    return f"{best[0]} bytes, set by {best[1]}"
+            best = (v, f"computing {an.names[i]!r}", None)
+    text = f"{best[0]} bytes, set by {best[1]}"
+    if best[2] is not None:
+        # parameter gradients the backwards up to that one made and hold (all of them, unless the
+        # optimizer steps inside the backward): often most of the bound for small batches
+        nodes = [problem.nodes[an.bw[s]] for s in range(best[2] + 1)]
+        grads = sum(n.param_grad_bytes - n.param_grad_freed_bytes for n in nodes)
+        if grads >= 0.25 * best[0]:
+            text += f", {grads / 2**20:.1f} MiB of it parameter gradients"
+            if not any(n.param_grad_freed_bytes for n in problem.nodes):
+                text += (
+                    " (the optimizer step inside the backward frees each as it is made: monet_opt's "
+                    "optimizer=..., command line --step-in-backward adam)"
+                )
+    return text

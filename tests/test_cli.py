@@ -53,6 +53,7 @@ def test_sweep_writes_schedules_and_summary(tmp_path, capsys):
         (["solve", "no_such_model", "--budget", "0.5"], "unknown model"),
         (["solve", *SMALL, "--budget", "1KB"], "minimum"),
         (["solve", *SMALL, "--budget", "2"], "a bare number above 1 is read as bytes"),
+        (["solve", *SMALL, "--budget", "0.5"], "MiB of it parameter gradients (the optimizer step inside"),
         (["solve", *SMALL, "--budget", "-0.5"], "bad budget"),
         (["inspect", "/nonexistent/schedule.json"], "not found"),
     ],
