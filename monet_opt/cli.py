@@ -82,6 +82,12 @@ def _milp_solver_arg(p: argparse.ArgumentParser) -> None:
         default="highs",
         help="MILP backend (default highs; gurobi needs gurobipy and a licence for the model's size)",
     )
+    p.add_argument(
+        "--highs-log",
+        action="store_true",
+        help="print HiGHS' own log (presolve, branch-and-bound tables) instead of a progress line "
+        "every 10 s (same as MONET_OPT_HIGHS_LOG=1)",
+    )
 
 
 def _keep_freed_arg(p: argparse.ArgumentParser) -> None:
@@ -402,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if getattr(args, "highs_log", False):
+        import os
+
+        os.environ["MONET_OPT_HIGHS_LOG"] = "1"
     if getattr(args, "keep_freed_memory", False):
         from monet_opt.malloc import keep_freed_memory
 

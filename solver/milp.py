@@ -73,6 +73,7 @@ passed to highspy directly (no per-scalar modelling-layer expressions).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -190,6 +191,10 @@ RINS_ROUNDS = 4
 PEAK_MODE_TIME_MIB = 1.0
 # forward memory rows: terms carried from step to step before they fold into one column
 FWD_RUN_TERMS = 8
+# verbose solves print HiGHS' own log (presolve, branch-and-bound tables) only when this is set
+# (MONET_OPT_HIGHS_LOG=1; command line --highs-log); otherwise one progress line per
+# PROGRESS_EVERY_S seconds of a HiGHS run
+PROGRESS_EVERY_S = 10.0
 
 
 class Formulation:
@@ -934,9 +939,10 @@ class Formulation:
 
         t_enter = time.perf_counter()
         md = self.md
-        h = _new_highs(highspy, verbose)
-        h.setOptionValue("output_flag", bool(verbose))
-        h.setOptionValue("log_to_console", bool(verbose))
+        highs_log = bool(verbose) and os.environ.get("MONET_OPT_HIGHS_LOG", "") == "1"
+        h = _new_highs(highspy, highs_log)
+        h.setOptionValue("output_flag", highs_log)
+        h.setOptionValue("log_to_console", highs_log)
         h.setOptionValue("time_limit", max(0.5, float(time_limit)))
         h.setOptionValue("mip_rel_gap", float(mip_gap))
         h.setOptionValue("threads", int(threads))
@@ -997,8 +1003,18 @@ class Formulation:
             if not improved[0] and len(sol) == len(scaled.cost):
                 improved[0] = float(scaled.cost @ np.asarray(sol)) < to_beat
 
+        next_note = [t0 + PROGRESS_EVERY_S]
+
         def _stop_mip(event) -> None:
             _stop_at_deadline(event)
+            if verbose and not highs_log and time.perf_counter() >= next_note[0]:
+                next_note[0] = time.perf_counter() + PROGRESS_EVERY_S
+                gap = event.data_out.mip_gap
+                log(
+                    True,
+                    f"HiGHS: {time.perf_counter() - t0:.0f} s, {int(event.data_out.mip_node_count)} nodes, "
+                    + (f"gap {gap:.1%}" if np.isfinite(gap) and gap < 1e9 else "no plan yet"),
+                )
             if under_target[0]:
                 event.interrupt()  # good enough: a plan whose peak is under the target exists
             if stall_s is not None and not improved[0]:

@@ -796,3 +796,21 @@ def test_a_budget_under_the_smallest_peak_names_a_budget_that_works(name):
         assert "a longer time limit is unlikely" in message and "raise the budget or the time" not in message
     s = solve(p, exc.minimum_bytes, time_limit=10, verbose=False)
     _check(p, s, exc.minimum_bytes)
+
+
+def test_verbose_solves_print_progress_lines_not_the_highs_log(capfd, monkeypatch):
+    """verbose: '[solver]' lines on stderr, among them HiGHS' progress every PROGRESS_EVERY_S;
+    HiGHS' own log (on the C stdout) only with MONET_OPT_HIGHS_LOG=1."""
+    import solver.milp as M
+
+    monkeypatch.setattr(M, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.delenv("MONET_OPT_HIGHS_LOG", raising=False)
+    p = PROBLEMS["resnet50"]
+    solve(p, 0.6, time_limit=6, verbose=True)
+    out, err = capfd.readouterr()
+    assert "[solver] HiGHS: " in err and " nodes, " in err
+    assert "Presolving model" not in out + err
+    monkeypatch.setenv("MONET_OPT_HIGHS_LOG", "1")
+    solve(p, 0.6, time_limit=6, verbose=True)
+    out, err = capfd.readouterr()
+    assert "Presolving model" in out + err
