@@ -72,6 +72,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "lossless): less memory for ReLU networks, but its size follows the data's density, "
         "measured on the example batch",
     )
+    p.add_argument(
+        "--bitwise",
+        action="store_true",
+        help="only implementations whose gradients are bit for bit plain PyTorch's (default: also "
+        "those within float rounding, ~1e-6 relative: batch-chunked convolution backward, BatchNorm "
+        "rebuilding its input from its output, other attention kernels)",
+    )
     _keep_freed_arg(p)
 
 
@@ -128,6 +135,7 @@ def _problem(args, quiet: bool = False):
         calibrate=getattr(args, "calibrate", False),
         optimizer=getattr(args, "step_in_backward", None),
         zero_pack=getattr(args, "zero_pack", False),
+        bitwise=getattr(args, "bitwise", False),
         meta=spec.meta(),
     )
     if not quiet:

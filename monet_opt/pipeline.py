@@ -79,12 +79,14 @@ def solve_model(
     meta: dict | None = None,
     optimizer: Any = None,
     zero_pack: bool = False,
+    bitwise: bool = False,
     refine: int = 0,
     milp_solver: str = "highs",
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
     step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`).
     zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`).
+    bitwise: offer only implementations whose gradients are bit for bit torch's (see `build_problem`).
     refine: that many rounds of running the schedule found, correcting the problem's times by
     what its nodes took there (`monet_opt.calibrate.calibrate_on_schedule`) and solving again from
     it (`time_limit` each); the problem returned is the last corrected one.
@@ -94,7 +96,13 @@ def solve_model(
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     problem = problem or build_problem(
-        model, example_inputs, progress=verbose, meta=meta, optimizer=optimizer, zero_pack=zero_pack
+        model,
+        example_inputs,
+        progress=verbose,
+        meta=meta,
+        optimizer=optimizer,
+        zero_pack=zero_pack,
+        bitwise=bitwise,
     )
     if budget == "min":
         schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose, solver=milp_solver)

@@ -400,6 +400,7 @@ def build_problem(
     calibrate: bool = False,
     optimizer: Any = None,
     zero_pack: bool = False,
+    bitwise: bool = False,
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -417,7 +418,10 @@ def build_problem(
     zero_pack: also offer implementations whose kept bytes depend on the values (a convolution
     keeping its ReLU input as a bit mask and the nonzero elements, `monet_opt.ops.zero_pack`).
     Their memory is measured on `example_inputs`: profile with a real batch, and expect a
-    batch whose activations are denser than it to use more memory than predicted."""
+    batch whose activations are denser than it to use more memory than predicted.
+
+    bitwise: offer only implementations whose gradients are bit for bit torch's
+    (`Implementation.bitwise`); by default those within float rounding are offered too."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -473,7 +477,9 @@ def build_problem(
         impls = [
             i
             for i in impls
-            if (zero_pack or i.value_state_bytes is None) and (i.applies is None or i.applies(args, kwargs))
+            if (zero_pack or i.value_state_bytes is None)
+            and (i.bitwise or not bitwise)
+            and (i.applies is None or i.applies(args, kwargs))
         ]
         sources, positions, inputs = _arg_layout(fx_node, args, kwargs, op_names)
         flat_vals = tree_flatten((args, kwargs))[0]
@@ -675,6 +681,8 @@ def build_problem(
             "optimizer": optimizer if isinstance(optimizer, str) else repr(optimizer),
             "step_bytes_per_param_byte": step_ratio,
         }
+    if bitwise:
+        info["bitwise"] = True  # only implementations with torch's gradients bit for bit
     if zero_pack:
         info["zero_pack"] = True  # value-dependent implementations offered (memory from the example)
     problem = Problem(nodes=tuple(nodes), fingerprint=fingerprint, fixed_bytes=fixed, meta=info)

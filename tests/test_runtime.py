@@ -69,7 +69,8 @@ def assert_grads_close(got, expected, what):
     """rtol 1e-5, and an atol of 1e-5 relative to the tensor's largest gradient: output-activated
     BatchNorm rebuilds its input from its output, a few float32 ulps away, and small-batch
     BatchNorm downstream amplifies that (measured: up to 5e-6 of the largest gradient on
-    ResNet-50 at batch 2). Every other implementation is bitwise equal to plain PyTorch."""
+    ResNet-50 at batch 2). Implementations marked `bitwise` are bit for bit plain PyTorch's
+    (`build_problem(bitwise=True)` offers only those: tested below)."""
     atol = max(1e-6, 1e-5 * float(expected.abs().max()))
     diff = float((got - expected).abs().max())
     torch.testing.assert_close(
@@ -1003,3 +1004,29 @@ def test_a_second_backward_and_higher_order_gradients_are_clear_errors():
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(wrapped(x).sum(), x, create_graph=True)
     wrapped(x).sum().backward()  # and the wrapper still trains
+
+
+def test_bitwise_problems_offer_only_bitwise_implementations_and_train_bit_for_bit():
+    """build_problem(bitwise=True): no implementation marked `bitwise=False` is offered, and a
+    schedule at the smallest peak found (recomputing much) gives plain PyTorch's gradients bit for bit."""
+    model, x, loose = setup("resnet18")
+    assert any(im.name in ("chunked_backward", "output_activated") for n in loose.nodes for im in n.impls)
+    problem = build_problem(model, (x,), progress=False, repeats=1, bitwise=True)
+    offered = {(n.op, im.name) for n in problem.nodes for im in n.impls}
+    not_bitwise = {
+        ("conv2d", "chunked_backward"),
+        ("batchnorm2d", "output_activated"),
+        ("batchnorm2d", "inplace_grad"),
+    }
+    assert not offered & not_bitwise and not_bitwise & {
+        (n.op, im.name) for n in loose.nodes for im in n.impls
+    }
+    assert problem.meta["bitwise"] is True
+    schedule = solver.minimum_peak(problem, time_limit=TIME_LIMIT, verbose=False)
+    assert sum(schedule.recomputed().values()) > 0
+    plain = copy.deepcopy(model)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    got, expected = grads_after_step(wrapped, model, x), grads_after_step(plain, plain, x)
+    assert got.keys() == expected.keys() and got
+    for name in got:
+        assert torch.equal(got[name], expected[name]), name

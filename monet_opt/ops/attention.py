@@ -270,12 +270,16 @@ def _mha_implementations(target: nn.MultiheadAttention) -> list[Implementation]:
     return [
         default,
         Implementation(
-            "math", _mha_math, "MultiheadAttention with the MATH SDPA backend (keeps attention matrix)"
+            "math",
+            _mha_math,
+            "MultiheadAttention with the MATH SDPA backend (keeps attention matrix)",
+            bitwise=False,  # another kernel than torch's own choice
         ),
         Implementation(
             "query_chunked",
             _mha_chunked,
             f"MultiheadAttention with query-chunked attention ({QUERY_CHUNKS} chunks, recomputed in backward)",
+            bitwise=False,
         ),
     ]
 
@@ -306,6 +310,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
             "math",
             _make_backend(SDPBackend.MATH),
             "MATH backend: materializes the attention matrix and keeps it for backward",
+            bitwise=False,
         ),
     ]
     trial = _trial_params(p)
@@ -315,12 +320,15 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
         if backend is None or int(backend) == choice:
             continue
         if _works(backend, trial):
-            impls.append(Implementation(name, _make_backend(backend), f"{attr} backend (fused kernel)"))
+            impls.append(
+                Implementation(name, _make_backend(backend), f"{attr} backend (fused kernel)", bitwise=False)
+            )
     impls.append(
         Implementation(
             "query_chunked",
             _run_chunked,
             f"queries in {QUERY_CHUNKS} chunks, recomputed chunk by chunk in backward; keeps only q, k, v",
+            bitwise=False,
         )
     )
     return impls

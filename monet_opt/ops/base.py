@@ -39,7 +39,12 @@ class Implementation:
     its backward keeps for given example (args, kwargs). The profiler takes them from the node's
     own example values (its cache is keyed by shapes: two nodes of one shape share times, not
     these bytes), and offers such implementations only when asked (`build_problem(...,
-    zero_pack=True)`): a denser batch in training keeps more than predicted."""
+    zero_pack=True)`): a denser batch in training keeps more than predicted.
+
+    bitwise: the gradients (and outputs) are bit for bit torch's default's. False where the
+    arithmetic differs (a weight gradient summed over batch chunks, an input rebuilt from the
+    output, another attention kernel): the differences are float rounding (~1e-6 relative),
+    and `build_problem(..., bitwise=True)` leaves such implementations out."""
 
     name: str
     run: Callable[..., Any]
@@ -48,6 +53,7 @@ class Implementation:
     replays: bool = False
     applies: Callable[[tuple, dict], bool] | None = None
     value_state_bytes: Callable[[tuple, dict], int] | None = None
+    bitwise: bool = True
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

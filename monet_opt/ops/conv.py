@@ -341,6 +341,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
             "chunked_backward",
             _make_chunked_backward(_BACKWARD_CHUNKS),
             f"torch conv2d forward; backward in up to {_BACKWARD_CHUNKS} batch chunks (smaller workspace)",
+            bitwise=False,  # the weight gradient is a sum over chunks
         )
     )
     # Batch-chunked forward too is offered on CUDA only. On CPU oneDNN picks another forward
@@ -350,7 +351,10 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
         return impls
     impls.append(
         Implementation(
-            "chunked", _make_chunked(2), "conv2d run as 2 batch chunks (smaller workspace, same kept tensors)"
+            "chunked",
+            _make_chunked(2),
+            "conv2d run as 2 batch chunks (smaller workspace, same kept tensors)",
+            bitwise=False,
         )
     )
     if _on_cuda(target, example_args) and torch.backends.cudnn.is_available():
@@ -359,6 +363,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                 "cudnn_benchmark",
                 _make_cudnn(True, False),
                 "conv2d with cudnn.benchmark=True (fastest algorithms, larger workspace)",
+                bitwise=False,  # other algorithms than torch's default choice
             )
         )
         impls.append(
@@ -366,6 +371,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                 "cudnn_deterministic",
                 _make_cudnn(False, True),
                 "conv2d with cudnn.deterministic=True (deterministic algorithms)",
+                bitwise=False,
             )
         )
     return impls
