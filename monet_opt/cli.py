@@ -280,7 +280,20 @@ def cmd_inspect(args) -> int:
     m = s.meta
     print(f"schedule {args.file}")
     print(f"  model        {m.get('model_summary', m.get('model', '?'))}")
-    print(f"  made on      {m.get('device', '?')}, torch {m.get('torch', '?')}, {m.get('date', '?')}")
+    device = str(m.get("device", "?"))
+    torch_version = "" if "torch " in device else f", torch {m.get('torch', '?')}"
+    print(f"  made on      {device}{torch_version}, {m.get('date', '?')}")
+    optimizer = m.get("step_in_backward", {}).get("optimizer")
+    if optimizer:
+        print(
+            f"  runs with    the {optimizer} step in the backward: MonetWrapper(..., optimizer={optimizer!r})"
+        )
+    for key, what in (
+        ("bitwise", "bit-for-bit implementations only"),
+        ("zero_pack", "zero-packed inputs offered"),
+    ):
+        if m.get(key):
+            print(f"  solved with  {what}")
     print(
         f"  strategy     {s.strategy} ({s.solver.name}, {s.solver.status}, gap "
         f"{'-' if s.solver.gap is None else f'{s.solver.gap:.2%}'}{_gap_scope(s)}, {s.solver.solve_time_s:.1f} s)"

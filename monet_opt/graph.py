@@ -445,9 +445,9 @@ def _fix_hint(exc: BaseException, path: str | None) -> str:
         hint = "Reading tensor values into Python (.item(), .tolist(), int()) is not supported. "
     where = f"module {path!r}" if path else "the root forward"
     return (
-        hint + f"Fix: move the offending code of {where} into its own submodule and pass its path "
-        "in leaf_modules=[...] (it then runs eagerly as one node), or express the condition "
-        "with tensor ops (torch.where)."
+        hint + f"Fix: move the offending code of {where} into its own submodule (a submodule fx "
+        "cannot trace runs eagerly, as one node), or express the condition with tensor ops "
+        "(torch.where)."
     )
 
 
@@ -916,7 +916,8 @@ def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> 
     return TraceError(
         f"running the traced graph on the example inputs failed{where}: {type(exc).__name__}: "
         f"{_first_line(exc)}. The model's forward may depend on values torch.fx fixed at trace "
-        "time; make that module a leaf (leaf_modules=[...]).",
+        "time; move that code into its own submodule, which then runs eagerly as one node "
+        "(monet_opt.trace: leaf_modules=[...]).",
         module_path=path,
         node=node.name if node is not None else None,
     )

@@ -32,7 +32,7 @@ def check_available() -> None:
     except ImportError as exc:
         raise GurobiUnavailable(
             "solver='gurobi' needs gurobipy (pip install gurobipy) and a Gurobi licence; "
-            "solver='highs' needs neither"
+            "solver='highs' (command line: --milp-solver highs) needs neither"
         ) from exc
     try:
         with gp.Env(params={"OutputFlag": 0}):
@@ -118,7 +118,7 @@ def solve_formulation(
                 raise GurobiUnavailable(
                     f"the Gurobi licence is size-limited and this MILP has {form.n_cols} columns and "
                     f"{form.n_rows} rows (the licence bundled with pip allows 2000 of each): use a full "
-                    "licence, or solver='highs'"
+                    "licence, or solver='highs' (command line: --milp-solver highs)"
                 ) from exc
             if exc.errno in NO_LICENCE:
                 raise GurobiUnavailable(f"Gurobi licence: {exc}") from exc

@@ -210,7 +210,7 @@ def test_schedule_and_wrapper_must_agree_on_the_step():
         MonetWrapper(model, baselines.chen_sqrt(kept), example_inputs=(x,), optimizer="adam")
 
 
-def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path):
+def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path, capsys):
     from monet_opt import cli
     from monet_opt.step_in_backward import OPTIMIZERS
 
@@ -227,6 +227,9 @@ def test_command_line_knows_every_optimizer_and_solves_with_the_step(tmp_path):
 
     result = bench_schedule(schedule, steps=1)
     assert result.wrapped_peak_bytes <= schedule.budget_bytes
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "MonetWrapper(..., optimizer='sgd')" in capsys.readouterr().out
 
 
 def test_solve_model_passes_the_optimizer():
