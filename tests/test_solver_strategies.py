@@ -814,3 +814,18 @@ def test_verbose_solves_print_progress_lines_not_the_highs_log(capfd, monkeypatc
     solve(p, 0.6, time_limit=6, verbose=True)
     out, err = capfd.readouterr()
     assert "Presolving model" in out + err
+
+
+def test_a_plan_at_the_trivial_bound_is_reported_optimal():
+    """Budget 1.0 (plain's peak): nothing recomputed, fastest implementations; whether the MILP
+    or a sweep's start plan found it, the status says optimal, with gap 0 (a sweep's CSV said
+    time_limit, gap 0.0)."""
+    from solver.milp import sweep
+
+    p = PROBLEMS["resnet50"]
+    at_one = [
+        solve(p, 1.0, time_limit=8, verbose=False),
+        sweep(p, [0.9, 1.0], time_limit=8, verbose=False)[1],
+    ]
+    for s in at_one:
+        assert (s.solver.status, s.solver.gap) == ("optimal", 0.0), s.solver
