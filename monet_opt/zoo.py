@@ -147,7 +147,7 @@ def load_schedule(
     above `budget` (a budget is a memory cap: never one that needs more); a warning when that is
     not `budget` itself."""
     budget = float(budget)
-    shapes, fits = [], []
+    fractions, fits = [], []
     for path, meta in shipped_schedules():
         if meta.get("model") != model or meta.get("batch") != batch:
             continue
@@ -156,7 +156,7 @@ def load_schedule(
         if seq is not None and meta.get("seq") not in (None, seq):
             continue
         fraction = float(meta.get("budget_fraction", 1.0))
-        shapes.append(fraction)
+        fractions.append(fraction)
         if fraction <= budget + 1e-9:
             fits.append((fraction, path))
     what = (
@@ -166,19 +166,17 @@ def load_schedule(
     )
     size = f"--image {image}" if image is not None else (f"--seq {seq}" if seq is not None else "")
     make = f"make one with: monet-opt solve {model} --batch {batch} {size} --budget {budget:g} -o FILE.json"
-    if not shapes:
+    if not fractions:
         have = ", ".join(
             f"{m.get('model')}@{m.get('budget_fraction')} (batch {m.get('batch')}, "
             + (f"image {m.get('image')})" if m.get("image") is not None else f"seq {m.get('seq')})")
             for _, m in shipped_schedules()
         )
-        raise FileNotFoundError(
-            f"no shipped schedule for {what}; shipped: {have or 'none'}. {make.capitalize()}"
-        )
+        raise FileNotFoundError(f"no shipped schedule for {what}; shipped: {have or 'none'}. M{make[1:]}")
     if not fits:
         raise FileNotFoundError(
             f"no shipped schedule for {what} at a budget of {budget:g} of plain PyTorch's peak or less "
-            f"(shipped budgets: {', '.join(f'{f:g}' for f in sorted(shapes))}); {make}"
+            f"(shipped budgets: {', '.join(f'{f:g}' for f in sorted(fractions))}); {make}"
         )
     fraction, path = max(fits)
     if abs(fraction - budget) > 1e-9:

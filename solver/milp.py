@@ -191,9 +191,8 @@ RINS_ROUNDS = 4
 PEAK_MODE_TIME_MIB = 1.0
 # forward memory rows: terms carried from step to step before they fold into one column
 FWD_RUN_TERMS = 8
-# verbose solves print HiGHS' own log (presolve, branch-and-bound tables) only when this is set
-# (MONET_OPT_HIGHS_LOG=1; command line --highs-log); otherwise one progress line per
-# PROGRESS_EVERY_S seconds of a HiGHS run
+# verbose solves print one progress line per PROGRESS_EVERY_S seconds of a HiGHS run; HiGHS' own
+# log (presolve, branch-and-bound tables) instead only with MONET_OPT_HIGHS_LOG=1 (--highs-log)
 PROGRESS_EVERY_S = 10.0
 
 
