@@ -17,9 +17,15 @@ MiB = 2**20
 
 
 def _gap_scope(schedule) -> str:
-    """' within recompute window 12 nodes' when the proven gap is that of a restricted MILP."""
+    """' within recompute window 6 nodes' when the proven gap is that of a restricted MILP, and
+    the same plan's gap within the widest window whose MILP ran, if wider."""
     scope = schedule.meta.get("milp_gap_scope")
-    return f" within {scope}" if scope and "unbounded" not in scope else ""
+    text = f" within {scope}" if scope and "unbounded" not in scope else ""
+    widest = schedule.meta.get("milp_gap_widest")
+    if text and widest:
+        window = "unbounded" if widest["window"] is None else f"{widest['window']} nodes"
+        text += f"; {widest['gap']:.2%} within recompute window {window}"
+    return text
 
 
 def _mib(n: float | None) -> str:
@@ -49,6 +55,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq", type=_positive_int, default=128, help="sequence length for token models (default 128)"
     )
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    """What profiling takes besides the model (every command that profiles; not `trace`)."""
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-cache", action="store_true", help="profile again even if cached")
     p.add_argument(
@@ -141,7 +151,8 @@ def _problem(args, quiet: bool = False):
     if not quiet:
         print(
             f"profiled {len(problem.nodes)} nodes of {spec.describe()} in {time.perf_counter() - t0:.1f} s "
-            f"({problem.meta.get('profile_cache_hits', 0)} cached measurements)"
+            f"({problem.meta.get('profile_cache_hits', 0)} cached measurements); the runtime adds "
+            f"{problem.recompute_overhead_s * 1e3:.3f} ms per recomputed node (monet_opt.runtime_cost)"
         )
     return spec, model, inputs, problem
 
@@ -362,7 +373,9 @@ def cmd_trace(args) -> int:
     print(f"{spec.describe()}: {len(graph.nodes)} nodes, fingerprint {graph.fingerprint[:16]}")
     for n in graph.nodes:
         shape = n.shapes[0] if n.shapes else "-"
-        print(f"  {n.name:<32} {n.kind:<24} {str(shape):<24} {_mib(n.output_bytes):>10}")
+        # (a view or an in-place op owns no new storage: say whose it shares, not 0.0 MiB)
+        size = _mib(n.output_bytes) if n.alias_of is None else f"= {n.inputs[n.alias_of]}"
+        print(f"  {n.name:<32} {n.kind:<24} {str(shape):<24} {size:>10}")
     return 0
 
 
@@ -375,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("solve", help="profile a model and solve a schedule for a memory budget")
     _model_args(p)
+    _profile_args(p)
     p.add_argument(
         "--budget",
         required=True,
@@ -395,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("sweep", help="solve for several budgets; write schedules and summary.csv")
     _model_args(p)
+    _profile_args(p)
     p.add_argument("--budgets", default="1.0,0.75,0.5,0.33,0.25")
     p.add_argument("-o", "--output", required=True, help="output folder")
     p.add_argument("--time-limit", type=float, default=60.0)
@@ -420,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("profile", help="profile a model: per-node table of implementations and costs")
     _model_args(p)
+    _profile_args(p)
     p.add_argument("-o", "--output", help="write the problem JSON here")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("trace", help="trace a model and print its operator graph")
-    _model_args(p)
+    _model_args(p)  # (no profiling flags: tracing measures nothing)
     p.set_defaults(func=cmd_trace)
 
     args = parser.parse_args(argv)

@@ -401,6 +401,7 @@ def build_problem(
     optimizer: Any = None,
     zero_pack: bool = False,
     bitwise: bool = False,
+    recompute_overhead: float | None = None,
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -421,7 +422,10 @@ def build_problem(
     batch whose activations are denser than it to use more memory than predicted.
 
     bitwise: offer only implementations whose gradients are bit for bit torch's
-    (`Implementation.bitwise`); by default those within float rounding are offered too."""
+    (`Implementation.bitwise`); by default those within float rounding are offered too.
+
+    recompute_overhead: the problem's `recompute_overhead_s`, the runtime's own seconds per
+    recomputation; None: measured on the device once and cached (`monet_opt.runtime_cost`)."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -685,7 +689,19 @@ def build_problem(
         info["bitwise"] = True  # only implementations with torch's gradients bit for bit
     if zero_pack:
         info["zero_pack"] = True  # value-dependent implementations offered (memory from the example)
-    problem = Problem(nodes=tuple(nodes), fingerprint=fingerprint, fixed_bytes=fixed, meta=info)
+    if recompute_overhead is None:
+        recompute_overhead = 0.0
+        if any(n.requires_backward for n in nodes):
+            from monet_opt.runtime_cost import recompute_overhead as measured_overhead
+
+            recompute_overhead = measured_overhead(device, use_cache=use_cache)
+    problem = Problem(
+        nodes=tuple(nodes),
+        fingerprint=fingerprint,
+        fixed_bytes=fixed,
+        meta=info,
+        recompute_overhead_s=float(recompute_overhead),
+    )
     if calibrate and any(n.requires_backward for n in nodes):
         from monet_opt.calibrate import calibrate_in_situ
 

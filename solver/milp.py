@@ -1420,6 +1420,10 @@ def _solve(
         "milp_gap_scope": f"recompute window {scope}",
         "milp_attempts": attempts,
     }
+    if lad.widest is not None and lad.widest[0] != w_last:
+        # the same plan's gap over the widest window whose bound holds for it (a looser bound
+        # over more schedules): "0.26 % within window 6, 0.35 % within window 24"
+        meta["milp_gap_widest"] = {"window": lad.widest[0], "gap": float(lad.widest[1])}
     sched = dataclasses.replace(sched, solver=info, meta={**sched.meta, **meta})
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
         return fallback("a baseline is faster", gap=gap)
@@ -1561,6 +1565,7 @@ class _LadderResult:
     last: tuple  # (window, MilpResult) of the widest MILP run; MilpResult None if RINS took its time
     attempts: list[dict]
     proven: tuple | None = None  # (window, gap, status) of the tightest bound on the best plan
+    widest: tuple | None = None  # (window, gap) of the bound over the most schedules on the best plan
 
     def scope(self) -> str:
         w = self.last[0]
@@ -1780,7 +1785,7 @@ def _ladder(
     # the tightest proven gap for the best plan: the best bound of any MILP run whose feasible set
     # holds the plan (the MILP that found it, a wider one it warm-started, the same MILP run again
     # after polishing, or an earlier run of that MILP: each run's bound holds for all its points)
-    proven = None
+    proven = widest = None
     if at_floor():
         proven = (None, 0.0, "optimal")  # the trivial bound holds for every schedule
     elif best is not None:
@@ -1794,7 +1799,12 @@ def _ladder(
             gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
             if proven is None or gap < proven[1]:
                 proven = (w, gap, status)
-    return _LadderResult(best[:3] if best else None, last, attempts, proven)
+            # (a wider window's bound holds over more schedules: the gap it proves says more)
+            width = float("inf") if w is None else w
+            if widest is None or (width, -gap) > (widest[2], -widest[1]):
+                widest = (w, gap, width)
+    widest = None if widest is None else widest[:2]
+    return _LadderResult(best[:3] if best else None, last, attempts, proven, widest)
 
 
 def _holds(form: Formulation, plan: Plan, objective: float) -> bool:

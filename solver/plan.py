@@ -235,11 +235,13 @@ class Analysis:
 
     def recompute_time(self, i: int, m: int) -> float:
         """Time of recompute entry (i, m): the implementation's `recompute_time` (else its
-        `fwd_time`), or the restore's."""
+        `fwd_time`), or the restore's, plus the problem's `recompute_overhead_s` (the runtime's
+        own cost of any compute step in a backward stage)."""
+        overhead = self.problem.recompute_overhead_s
         if m >= self.nimp[i]:
-            return self.restores[i][m - self.nimp[i]][2].time
+            return self.restores[i][m - self.nimp[i]][2].time + overhead
         im = self.impls[i][m]
-        return im.fwd_time if im.recompute_time is None else im.recompute_time
+        return (im.fwd_time if im.recompute_time is None else im.recompute_time) + overhead
 
     def step_workspace(self, i: int, m: int) -> int:
         """Transient bytes of recompute entry (i, m) beyond its output."""
@@ -539,8 +541,10 @@ def with_restores(an: Analysis, plan: Plan) -> Plan:
         rec = []
         for i, m, g in sp.recompute:
             if not g and i != t and not an.is_restore(i, m):
-                for r, (c, mc, restore) in enumerate(an.restores[i]):
-                    if through.get(c) == mc and restore.time <= an.recompute_time(i, m):
+                for r, (c, mc, _restore) in enumerate(an.restores[i]):
+                    if through.get(c) == mc and an.recompute_time(i, an.nimp[i] + r) <= an.recompute_time(
+                        i, m
+                    ):
                         m = an.nimp[i] + r
                         break
             rec.append((i, m, g))

@@ -18,9 +18,9 @@ from pathlib import Path
 from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
-# 6: Node.restores
-PROBLEM_FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # (older files still load)
+# 6: Node.restores; 7: Problem.recompute_overhead_s
+PROBLEM_FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -145,15 +145,29 @@ class Node:
 
 @dataclass(frozen=True)
 class Problem:
+    """A model's operators in topological order, with their measured costs.
+
+    fixed_bytes: bytes the step holds throughout besides what the nodes make.
+    recompute_overhead_s: the runtime's own seconds per compute step in a backward stage (a
+        recomputation or a restore), beyond the implementation's time: dispatching the node
+        outside the forward's generated code, and the separate autograd graph (one more
+        backward call) a recomputation with grad gets. Measured on the device by
+        `monet_opt.runtime_cost`; 0 in problems that predate it.
+    """
+
     nodes: tuple[Node, ...]
     fingerprint: str
     fixed_bytes: int = 0
     meta: dict = field(default_factory=dict)
+    recompute_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         nodes = tuple(n if isinstance(n, Node) else Node(**n) for n in self.nodes)
         object.__setattr__(self, "nodes", nodes)
         _validate(nodes)
+        overhead = self.recompute_overhead_s
+        if not isinstance(overhead, (int, float)) or not 0.0 <= overhead < float("inf"):
+            raise ProblemError(f"recompute_overhead_s must be a finite number >= 0, not {overhead!r}")
 
     # -- lookups -------------------------------------------------------------
     @property
@@ -186,6 +200,7 @@ class Problem:
                 fingerprint=data["fingerprint"],
                 fixed_bytes=int(data.get("fixed_bytes", 0)),
                 meta=dict(data.get("meta", {})),
+                recompute_overhead_s=float(data.get("recompute_overhead_s", 0.0)),
             )
         except (KeyError, TypeError) as exc:
             raise ProblemError(f"malformed problem: {exc}") from exc

@@ -65,7 +65,10 @@ output is a new storage.
 Time is the sum of `fwd_time` of a node's first compute step, `recompute_time`
 (if given, else `fwd_time`) of each later one (a recomputation, which may reuse what
 the first computation left, e.g. batch statistics), the `time` of each restore, and `bwd_time`
-of every backward step, with the implementation named in the step.
+of every backward step, with the implementation named in the step; and the problem's
+`recompute_overhead_s` for every compute step (recomputation or restore) in a backward stage:
+the runtime's own cost of running a node outside the forward (its dispatch, and the separate
+autograd graph a recomputation with grad gets).
 
 A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
 value whose handle is not held, backs a node without its state or gradient,
@@ -176,11 +179,12 @@ class _Replay:
                         freed_next=_frees_after(stage.steps, k),
                     )
                     computed.add(node.name)
-                    time += t
                     if s_idx > 0:
+                        t += self.p.recompute_overhead_s
                         recompute += t
                     else:
                         forward += t
+                    time += t
                 elif step.op == "backward":
                     time += self._backward(node, where)
                 elif step.op == "free_value":

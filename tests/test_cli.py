@@ -206,3 +206,13 @@ def test_python_budgets_are_checked_before_profiling():
     ):
         with pytest.raises(ValueError, match=message):
             parse_budget(bad)
+
+
+def test_trace_names_the_storage_an_in_place_node_shares_and_takes_no_profiling_flags(capsys):
+    assert main(["trace", "resnet18", "--batch", "2", "--image", "32"]) == 0
+    out = capsys.readouterr().out
+    relu = next(line for line in out.splitlines() if line.split()[:1] == ["relu"])
+    assert relu.rstrip().endswith("= bn1"), relu  # torchvision's ReLU(inplace=True) writes bn1's storage
+    with pytest.raises(SystemExit):
+        main(["trace", "resnet18", "--calibrate"])  # tracing measures nothing
+    assert "unrecognized arguments: --calibrate" in capsys.readouterr().err

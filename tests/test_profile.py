@@ -248,3 +248,38 @@ def test_solve_model_refine_resolves_on_the_corrected_problem():
     assert refined.fingerprint == problem.fingerprint
     sim = solver.simulate(refined, schedule)
     assert sim.peak_bytes <= budget and sim.time_s == pytest.approx(schedule.predicted_time_s)
+
+
+def test_the_runtime_recompute_overhead_is_measured_once_per_device_and_kept_in_the_problem(
+    built, monkeypatch
+):
+    """build_problem puts the runtime's measured cost per recomputation in the problem (the
+    solver and the simulator charge it per compute step in a backward stage), measures it once
+    per device (later builds read the cache), leaves the caller's RNG as it was, and takes a
+    given value as it is."""
+    import monet_opt.runtime_cost as rc
+
+    name, model, x, problem = built
+    assert 0.0 < problem.recompute_overhead_s < 0.01, name  # on this CPU ~0.14 ms
+    monkeypatch.setattr(rc, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = build_problem(model, (x,), progress=False, repeats=1)
+    assert again.recompute_overhead_s == problem.recompute_overhead_s
+    given = build_problem(model, (x,), progress=False, repeats=1, recompute_overhead=2e-4)
+    assert given.recompute_overhead_s == 2e-4
+    assert [n.impls for n in given.nodes] == [n.impls for n in again.nodes]
+    schedule = solver.baselines.chen_sqrt(given)
+    steps = sum(1 for stage in schedule.stages[1:] for s in stage.steps if s.op == "compute")
+    no_overhead = dataclasses.replace(given, recompute_overhead_s=0.0)
+    assert solver.simulate(given, schedule).time_s == pytest.approx(
+        solver.simulate(no_overhead, schedule).time_s + steps * 2e-4
+    )
+
+
+def test_measuring_the_recompute_overhead_leaves_the_callers_rng_alone():
+    import monet_opt.runtime_cost as rc
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    seconds = rc.measure(torch.device("cpu"), rounds=3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seconds >= 0.0

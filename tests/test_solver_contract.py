@@ -200,6 +200,41 @@ def test_milp_objective_is_the_simulated_time_with_recompute_times():
     assert sim.time_s <= simulate(p, plain).time_s + 1e-9
 
 
+def test_recompute_overhead_is_charged_per_backward_compute_step_and_the_milp_counts_it():
+    """`Problem.recompute_overhead_s` costs each compute step in a backward stage once (counted
+    here from the schedule), and the MILP's objective counts it as the simulator does."""
+    base = chain(8, seed=3)
+    overhead = 0.2 * min(i.fwd_time for n in base.nodes for i in n.impls if i.fwd_time > 0)
+    p = dataclasses.replace(base, recompute_overhead_s=overhead)
+    s = B.chen_sqrt(p)
+    again = sum(1 for stage in s.stages[1:] for step in stage.steps if step.op == "compute")
+    assert again > 0
+    assert simulate(p, s).time_s == pytest.approx(simulate(base, s).time_s + again * overhead, rel=1e-12)
+    assert simulate(p, s).recompute_time_s == pytest.approx(
+        simulate(base, s).recompute_time_s + again * overhead, rel=1e-12
+    )
+    budget = int(0.6 * B.no_recompute(p).predicted_peak_bytes)
+    solved = solve(p, budget, time_limit=20, verbose=False)
+    sim = simulate(p, solved)
+    assert sim.peak_bytes <= budget
+    assert solved.meta["milp_objective"] == pytest.approx(sim.time_s, rel=1e-6)
+    cheap = solve(base, budget, time_limit=20, verbose=False)
+    assert sim.time_s <= simulate(p, cheap).time_s + 1e-9  # optimal under its own costs
+
+
+def test_problem_json_keeps_the_recompute_overhead_and_refuses_a_bad_one(tmp_path):
+    p = dataclasses.replace(chain(5), recompute_overhead_s=1.5e-4)
+    p.to_json(tmp_path / "p.json")
+    assert Problem.from_json(tmp_path / "p.json") == p
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["format_version"] = 6
+    del data["recompute_overhead_s"]
+    assert Problem.from_dict(data).recompute_overhead_s == 0.0
+    data["recompute_overhead_s"] = -1.0
+    with pytest.raises(ProblemError, match="recompute_overhead_s"):
+        Problem.from_dict(data)
+
+
 def test_problem_json_keeps_recompute_time_and_reads_version_2(tmp_path):
     p = _with_recompute_time(chain(5), 0.5)
     p.to_json(tmp_path / "p.json")
