@@ -453,6 +453,12 @@ def build_problem(
         if isinstance(n, fx.Node)
     }
     remaining_users = {n.name: len(n.users) for n in gm.graph.nodes}
+    # every isolated backward time includes one autograd engine call, which a training step's
+    # shared graph pays once for all its nodes: subtracted from each (the same from every
+    # schedule, which runs each node's backward once: predicted overheads, not plans, change)
+    from monet_opt.runtime_cost import backward_call_overhead
+
+    backward_call = backward_call_overhead(device, use_cache=use_cache)
     bar = _progress(len(fx_nodes), progress, "profiling")
     started = time.perf_counter()
     hits = 0
@@ -562,7 +568,9 @@ def build_problem(
                     name=impl.name,
                     fwd_time=entry["fwd_time"],
                     recompute_time=entry.get("recompute_time"),
-                    bwd_time=entry["bwd_time"] if fx_node.name in requires_grad else 0.0,
+                    bwd_time=max(0.0, entry["bwd_time"] - backward_call)
+                    if fx_node.name in requires_grad
+                    else 0.0,
                     fwd_workspace=entry["fwd_workspace"],
                     bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
                     keeps_inputs=tuple(kept),
@@ -659,6 +667,8 @@ def build_problem(
         "profile_cache_hits": hits,
         # measurements taken on a busy CPU (now, or served from the cache while still busy)
         "profile_busy_measurements": busy_measured + cache.busy_hits,
+        # the engine's cost per backward call, taken off every node's isolated backward time
+        "backward_call_s": backward_call,
     }
     info.update(meta or {})
     # fixed memory: the RNG state each random node saw (the runtime keeps it to replay it on

@@ -15,18 +15,27 @@ recomputation and with every node recomputed in its own backward stage
 difference beyond the simulator's predicted one, per recomputation. Recomputations that share
 one autograd graph (a checkpointed segment, `runtime/groups.py`) cost less (measured ~0.03 ms):
 predictions err high for them.
+
+`backward_call_overhead(device)` measures the engine's fixed cost of one backward call (~24 us
+here). A node's isolated backward time (`profile.measure_node`) is one such call, while a
+training step backs all the nodes of a shared graph in one: `build_problem` takes it off every
+node's backward time. Every schedule runs each node's backward once, so that lowers every
+schedule's predicted time alike; the no-recompute step, one call in the runtime, is no longer
+predicted ~24 us per node too slow (MobileNetV2 b8 64: ~150 nodes, 4 ms of a 62-ms step).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 from torch import nn
 
 CACHE_KEY = "runtime:recompute_overhead:v1"
+ENGINE_CALL_KEY = "runtime:backward_call:v1"
 ROUNDS = 21
-_measured: dict[str, float] = {}  # device key -> seconds, for this process
+_measured: dict[tuple[str, str], float] = {}  # (device key, cache key) -> seconds, for this process
 
 
 def _chain(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
@@ -62,23 +71,57 @@ def measure(device: torch.device, rounds: int = ROUNDS, use_cache: bool = True) 
     return max(0.0, (measured - predicted) / max(count, 1))
 
 
-def recompute_overhead(device: torch.device | str, use_cache: bool = True) -> float:
-    """`measure(device)`, cached by device in the profile cache (`monet_opt.profile.ProfileCache`:
+def backward_call(device: torch.device, calls: int = 400) -> float:
+    """Seconds of the autograd engine's fixed cost per backward call, measured now: the median
+    of `calls` backward calls through the runtime's root (`profile._root`) of a one-element
+    clone. Every node's isolated backward time (`profile.measure_node`) includes one such call;
+    a training step's shared graph pays one for all its nodes (`build_problem` subtracts it)."""
+    from monet_opt.profile import _root, _sync
+
+    x = torch.zeros(1, device=device, requires_grad=True)
+    g = torch.ones(1, device=device)
+    empty = torch.empty(0, device=device)
+    times = []
+    for k in range(calls + calls // 4):  # (the first quarter: warm-up)
+        root = _root([g], [x.clone()])
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.autograd.backward(root, empty)
+        _sync(device)
+        if k >= calls // 4:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _cached(device: torch.device | str, key: str, measure_now, use_cache: bool) -> float:
+    """`measure_now()`, cached by device in the profile cache (`monet_opt.profile.ProfileCache`:
     measured again when it was measured on a busy CPU that is quiet now)."""
     from monet_opt.profile import ProfileCache, cpu_load
 
     device = torch.device(device)
     cache = ProfileCache(device, enabled=use_cache)
-    if use_cache and cache.device_key in _measured:
-        return _measured[cache.device_key]
+    if use_cache and (cache.device_key, key) in _measured:
+        return _measured[(cache.device_key, key)]
     load = cpu_load() if device.type == "cpu" else None
-    entry = cache.get(CACHE_KEY, load)
+    entry = cache.get(key, load)
     if entry is None:
-        entry = {"seconds": measure(device, use_cache=use_cache)}
-        cache = ProfileCache(device, enabled=use_cache)  # (the probe's own profile wrote to it)
-        cache.put(CACHE_KEY, entry, load)
+        entry = {"seconds": measure_now()}
+        cache = ProfileCache(device, enabled=use_cache)  # (a probe's own profile may have written to it)
+        cache.put(key, entry, load)
         cache.save()
     seconds = float(entry["seconds"])
     if use_cache:
-        _measured[cache.device_key] = seconds
+        _measured[(cache.device_key, key)] = seconds
     return seconds
+
+
+def recompute_overhead(device: torch.device | str, use_cache: bool = True) -> float:
+    """`measure(device)`, cached by device with the operator profile."""
+    device = torch.device(device)
+    return _cached(device, CACHE_KEY, lambda: measure(device, use_cache=use_cache), use_cache)
+
+
+def backward_call_overhead(device: torch.device | str, use_cache: bool = True) -> float:
+    """`backward_call(device)`, cached by device with the operator profile."""
+    device = torch.device(device)
+    return _cached(device, ENGINE_CALL_KEY, lambda: backward_call(device), use_cache)

@@ -155,14 +155,17 @@ def test_a_budget_under_the_smallest_peak_says_it_as_a_fraction_too(tmp_path, ca
     problem = Problem.from_json(problem_path)
     lowest = simulate(problem, Schedule.from_json(path)).peak_bytes
     plain = solver.baselines.no_recompute(problem).predicted_peak_bytes
-    too_low = (lowest - 2**14) / plain
-    assert too_low * plain > min_feasible_lower_bound(problem)
+    bound = min_feasible_lower_bound(problem)
+    # just above the lower bound, under every schedule's peak ('min' is the smallest found in the
+    # time limit, not a proven minimum: 16 KiB under it was once solved)
+    too_low = (bound + 2**10) / plain
+    assert bound + 2**10 < lowest
     capsys.readouterr()
     assert main(["solve", *SMALL, "--budget", f"{too_low:.6f}"]) == 2
     err = capsys.readouterr().err
     assert "of plain PyTorch's peak" in err and "Traceback" not in err
     fraction = float(err.split("--budget ")[-1].split()[0])
-    assert fraction * plain >= lowest - 2**14
+    assert fraction * plain > bound + 2**10
     assert main(["solve", *SMALL, "--budget", str(fraction)]) == 0  # the fraction it names works
 
 
