@@ -27,6 +27,9 @@ def test_solve_inspect_bench(tmp_path, capsys):
     assert main(["solve", *SMALL, "--budget", "1.0", "-o", str(path)]) == 0
     out = capsys.readouterr().out
     assert "predicted peak" in out and f"wrote {path}" in out
+    assert (
+        f"measure it with: monet-opt bench {path} (predicted times from operators timed one at a time" in out
+    )
     schedule = Schedule.from_json(path)
     assert schedule.meta["model"] == "resnet18" and schedule.meta["batch"] == 2
     assert schedule.predicted_peak_bytes <= schedule.budget_bytes
