@@ -96,12 +96,13 @@ def backward_call(device: torch.device, calls: int = 400) -> float:
 def _cached(device: torch.device | str, key: str, measure_now, use_cache: bool) -> float:
     """`measure_now()`, cached by device in the profile cache (`monet_opt.profile.ProfileCache`:
     measured again when it was measured on a busy CPU that is quiet now)."""
-    from monet_opt.profile import ProfileCache, cpu_load
+    from monet_opt.profile import ProfileCache, cpu_load, device_fingerprint
 
     device = torch.device(device)
+    memo = (device_fingerprint(device), key)
+    if use_cache and memo in _measured:
+        return _measured[memo]  # (without reading the profile cache's file again)
     cache = ProfileCache(device, enabled=use_cache)
-    if use_cache and (cache.device_key, key) in _measured:
-        return _measured[(cache.device_key, key)]
     load = cpu_load() if device.type == "cpu" else None
     entry = cache.get(key, load)
     if entry is None:
@@ -111,7 +112,7 @@ def _cached(device: torch.device | str, key: str, measure_now, use_cache: bool) 
         cache.save()
     seconds = float(entry["seconds"])
     if use_cache:
-        _measured[(cache.device_key, key)] = seconds
+        _measured[memo] = seconds
     return seconds
 
 

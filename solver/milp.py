@@ -1786,6 +1786,7 @@ def _ladder(
     # holds the plan (the MILP that found it, a wider one it warm-started, the same MILP run again
     # after polishing, or an earlier run of that MILP: each run's bound holds for all its points)
     proven = widest = None
+    holding: list[tuple] = []  # (window, gap) of every run whose bound holds for the best plan
     if at_floor():
         proven = (None, 0.0, "optimal")  # the trivial bound holds for every schedule
     elif best is not None:
@@ -1799,11 +1800,11 @@ def _ladder(
             gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
             if proven is None or gap < proven[1]:
                 proven = (w, gap, status)
-            # (a wider window's bound holds over more schedules: the gap it proves says more)
-            width = float("inf") if w is None else w
-            if widest is None or (width, -gap) > (widest[2], -widest[1]):
-                widest = (w, gap, width)
-    widest = None if widest is None else widest[:2]
+            holding.append((w, gap))
+    if holding:
+        # a wider window's bound holds over more schedules: the gap it proves says more (the
+        # smallest one, of that window's runs)
+        widest = max(holding, key=lambda wg: (float("inf") if wg[0] is None else wg[0], -wg[1]))
     return _LadderResult(best[:3] if best else None, last, attempts, proven, widest)
 
 
