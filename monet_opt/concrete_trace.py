@@ -16,6 +16,7 @@ not depend on the data.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -80,6 +81,11 @@ class ConcreteProxy(fx.Proxy):
         if value is _NO_VALUE or (isinstance(value, torch.Tensor) and value.dim() == 0):
             return super().__iter__()
         return iter([self[i] for i in range(len(value))])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # `x[i] = v`: recorded as operator.setitem (its concrete value changes as the model's
+        # would); `monet_opt.functionalize` makes it an out-of-place update later reads read
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __bool__(self) -> bool:
         value = self.__dict__.get("value", _NO_VALUE)

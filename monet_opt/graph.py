@@ -40,6 +40,7 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from monet_opt.concrete_trace import ConcreteTracerMixin
+from monet_opt.functionalize import functionalize
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -539,6 +540,11 @@ class _Measure(fx.Interpreter):
         self.keep: list[Any] = []
         self.facts: dict[str, dict[str, Any]] = {}
         self.current_node: fx.Node | None = None
+        # stale reads (`monet_opt.functionalize`): where each node stands, the storages of its
+        # value, and, per storage, the latest node that mutated it in place
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.value_keys: dict[fx.Node, set[tuple[str, int]]] = {}
+        self.mutated_by: dict[tuple[str, int], fx.Node] = {}
 
     def _sid(self, key: tuple[str, int]) -> int:
         if key not in self.storage_ids:
@@ -563,13 +569,32 @@ class _Measure(fx.Interpreter):
                 self.excluded.add(k)
         return value
 
+    def _check_no_stale_read(self, n: fx.Node, input_nodes: list[fx.Node]) -> None:
+        """`n` must not read a value made before an in-place change of its storage by another
+        node: the runtime runs that change out of place, so `n` would read the old value."""
+        for a in input_nodes:
+            for k in self.value_keys.get(a, ()):
+                m = self.mutated_by.get(k)
+                if m is not None and m is not a and self.order[a] < self.order[m]:
+                    raise TraceError(
+                        f"node {n.name!r} reads {a.name!r} after node {m.name!r} ({m.op} "
+                        f"{_target_str(m)}) changed its storage in place (through another view "
+                        "of it). monet-opt runs operations out of place and cannot follow that "
+                        "change: write the update out of place (y = x.op(...)) and use y, or make "
+                        "the module doing it a leaf (monet_opt.trace: leaf_modules=[...]).",
+                        node=n.name,
+                    )
+
     def run_node(self, n: fx.Node) -> Any:
         self.current_node = n
         if n.op not in ("call_module", "call_function", "call_method"):
             result = super().run_node(n)
             _set_tensor_meta(n, result)
+            self.value_keys[n] = {k for k in map(_skey, _tensors(result)) if k is not None}
             return result
         input_nodes = [a for a in _flatten((n.args, n.kwargs)) if isinstance(a, fx.Node)]
+        self._check_no_stale_read(n, input_nodes)
+        all_versions = [[t._version for t in _tensors(self.env[a])] for a in input_nodes]
         op_inputs = [a for a in input_nodes if a.name in self.op_names]
         # storages of each OpNode input position, and versions (in-place detection)
         in_keys: list[set[tuple[str, int]]] = []
@@ -656,6 +681,19 @@ class _Measure(fx.Interpreter):
             ts = _tensors(self.env[a])
             if any(t._version != v for t, v in zip(ts, in_versions[i])):
                 mutated.append(i)
+        self.value_keys[n] = {k for k in map(_skey, out_ts) if k is not None}
+        for a, versions in zip(input_nodes, all_versions):
+            changed = [t for t, v in zip(_tensors(self.env[a]), versions) if t._version != v]
+            for k in {k for k in map(_skey, changed) if k is not None}:
+                if k in self.excluded:
+                    raise TraceError(
+                        f"node {n.name!r} ({n.op} {_target_str(n)}) changes a parameter or buffer in "
+                        "place; monet-opt runs traced operations out of place, so that change would "
+                        "be lost. Make the module doing it a leaf (monet_opt.trace: "
+                        "leaf_modules=[...]): a leaf runs as the model wrote it.",
+                        node=n.name,
+                    )
+                self.mutated_by[k] = n
 
         self.facts[n.name] = {
             "inputs": [a.name for a in op_inputs],
@@ -812,6 +850,8 @@ def trace(
     else:
         gm, auto_leaves = _symbolic_trace(model, inputs, leaf_paths, leaf_types, leaf_fallback)
     gm.train(model.training)
+    # later readers of an in-place change read the changing node (the runtime runs out of place)
+    functionalize(gm)
 
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     op_names = {n.name for n in call_nodes}

@@ -71,14 +71,15 @@ def assert_grads_close(got, expected, what):
     BatchNorm downstream amplifies that (measured: up to 5e-6 of the largest gradient on
     ResNet-50 at batch 2). Implementations marked `bitwise` are bit for bit plain PyTorch's
     (`build_problem(bitwise=True)` offers only those: tested below)."""
-    atol = max(1e-6, 1e-5 * float(expected.abs().max()))
+    largest = float(expected.abs().max())
+    atol = max(1e-6, 1e-5 * largest)
     diff = float((got - expected).abs().max())
     torch.testing.assert_close(
         got,
         expected,
         rtol=1e-5,
         atol=atol,
-        msg=f"{what}: max abs diff {diff:.3g}, largest |grad| {atol * 1e5:.3g}",
+        msg=f"{what}: max abs diff {diff:.3g}, largest |grad| {largest:.3g}, atol {atol:.3g}",
     )
 
 

@@ -123,7 +123,9 @@ def test_timm_vit_default_arguments_are_no_inputs():
 @pytest.mark.parametrize("arch", ["convnext_atto"])
 def test_timm_convnets_train_within_budget(arch):
     torch.manual_seed(0)
-    model = timm.create_model(arch, pretrained=False, num_classes=10).train()
+    # stochastic depth on: timm's drop_path scales its mask by a statement (`div_`), which the
+    # runtime, running out of place, follows only through `monet_opt.functionalize`
+    model = timm.create_model(arch, pretrained=False, num_classes=10, drop_path_rate=0.2).train()
     x = torch.randn(4, 3, 32, 32)
     _check(model, x, 0.4, f"timm {arch}", example_inputs=(x,))
 

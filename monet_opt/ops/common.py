@@ -70,7 +70,7 @@ INPLACE_DUNDERS = {
 }
 
 
-def _is_mutating_method_name(name: str) -> bool:
+def is_mutating_method_name(name: str) -> bool:
     return (
         name.endswith("_") and not name.startswith("_") and name not in NON_MUTATING_UNDERSCORE
     ) or name in INPLACE_DUNDERS
@@ -88,7 +88,7 @@ def _method_runner(name: str) -> Callable:
     if name in INPLACE_DUNDERS:
         twin = INPLACE_DUNDERS[name]
         return lambda target, args, kwargs, recompute: getattr(args[0], twin)(*args[1:], **kwargs)
-    if _is_mutating_method_name(name):
+    if is_mutating_method_name(name):
         if name in SAFE_OUT_OF_PLACE_METHODS:
             twin = name[:-1]
             return lambda target, args, kwargs, recompute: getattr(args[0], twin)(*args[1:], **kwargs)
@@ -130,7 +130,7 @@ def _function_runner(fn: Callable) -> Callable:
 
         return run
     name = getattr(fn, "__name__", "")
-    if _is_mutating_method_name(name) and not name.startswith("_"):
+    if is_mutating_method_name(name) and not name.startswith("_"):
         # torch.relu_, F.relu_, torch.Tensor.add_, torch.sigmoid_, ... : the first argument is mutated.
         owner_twin = None
         if name in SAFE_OUT_OF_PLACE_METHODS:
