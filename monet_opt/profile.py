@@ -60,10 +60,11 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 8  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 9  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
+# 9: keys hold a non-contiguous input's strides (before, a same-shaped node's measurement was reused)
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -157,7 +158,13 @@ class ProfileCache:
 # -- measuring one node ----------------------------------------------------------------
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ["T", list(value.shape), str(value.dtype), bool(value.requires_grad)]
+        desc = ["T", list(value.shape), str(value.dtype), bool(value.requires_grad)]
+        if not value.is_contiguous():
+            # a transposed or channels_last input takes other kernels and may make the op save
+            # a contiguous copy instead of the input (timm's ResMLP: one node's measurement
+            # reused for a same-shaped node with other strides put the memory model 7 % low)
+            desc.append(list(value.stride()))
+        return desc
     if isinstance(value, (list, tuple)):
         return [_describe(v) for v in value]
     if isinstance(value, dict):

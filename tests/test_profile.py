@@ -300,3 +300,40 @@ def test_every_backward_time_is_net_of_one_engine_call(built, monkeypatch):
     pairs = [(r.bwd_time, n.bwd_time) for a, b in zip(raw.nodes, net.nodes) for r, n in zip(a.impls, b.impls)]
     assert any(r > 0 for r, _ in pairs)
     assert all(n == pytest.approx(max(0.0, r - 1e-5), abs=1e-12) if r > 0 else n == 0.0 for r, n in pairs)
+
+
+class _SameShapesOtherStrides(torch.nn.Module):
+    """Two same-configured Linears on same-shaped inputs, one contiguous, one a transposed view:
+    on the transposed one F.linear saves a contiguous copy of its input, not the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(256, 256)
+        self.a = torch.nn.Linear(256, 256)
+        self.b = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.a(self.pre(x))  # (B, N, C), contiguous
+        z = y.transpose(1, 2).contiguous()  # (B, C, N)
+        return self.b(z.transpose(1, 2))  # (B, N, C), transposed strides
+
+
+def test_same_shapes_with_other_strides_are_measured_apart(monkeypatch, tmp_path):
+    """The profile cache is keyed by strides too: a transposed input's measurement (what the
+    backward keeps) is not a contiguous one's."""
+    from monet_opt.bench import measure_step
+    from monet_opt.runtime import MonetWrapper
+
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = _SameShapesOtherStrides().train()
+    x = torch.randn(8, 256, 256)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    a, b = (next(n for n in problem.nodes if n.name == name).impls[0] for name in ("a", "b"))
+    assert a.keeps_inputs == (0,) and a.state_bytes == 0
+    assert b.keeps_inputs == () and b.state_bytes == x.numel() * 4  # its contiguous copy
+    schedule = solver.baselines.no_recompute(problem)
+    peak, _ = measure_step(MonetWrapper(model, schedule, example_inputs=(x,)), (x,), steps=1)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    # (the prediction includes the runtime's fixed 64-KiB reserve)
+    assert abs(peak - predicted) <= 0.03 * predicted, (peak, predicted)
