@@ -1,0 +1,135 @@
+"""timm model families through the whole pipeline: trace, profile, solve, one wrapped training step.
+
+    python benchmarks/model_sweep.py [--out DIR] [--only NAME ...]
+
+Each model (random weights, batch 2, 64x64 unless the model fixes its input size) runs in a
+process of its own (a crash or a hang is one row, not the sweep): traced, profiled, solved for
+10 s at 0.4 of the way from the lowest feasible peak to plain PyTorch's
+(`tests.test_runtime.budget_at`), then one wrapped step is checked against plain PyTorch the
+way the tests check (`tests.test_transformers_timm._check`): the same gradients (rtol 1e-5,
+atol 1e-5 of the largest gradient, at least 1e-6), twice (recorded, then replayed), the measured
+peak inside the budget and within 5 % of the prediction. `bitwise` rows offer only implementations
+whose gradients are torch's bit for bit. Writes DIR/model_sweep.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from solver.jsonio import atomic_write_text
+
+# (timm name, image size, create_model keyword arguments, bitwise)
+MODELS = [
+    ("resnet18", 64, {}, False),
+    ("efficientnet_b0", 64, {}, False),
+    ("efficientnet_b0", 64, {}, True),
+    ("mobilenetv3_small_100", 64, {}, False),
+    ("regnetx_002", 64, {}, False),
+    ("densenet121", 64, {}, False),
+    ("ghostnet_100", 64, {}, False),
+    ("poolformer_s12", 64, {}, False),
+    ("levit_128s", 224, {}, False),
+    ("mobilevit_xxs", 64, {}, False),
+    ("edgenext_xx_small", 64, {}, False),
+    ("repvit_m1", 64, {}, False),
+    ("fastvit_t8", 64, {}, False),
+    ("res2net50_14w_8s", 64, {}, False),
+    ("resnest14d", 64, {}, False),
+    ("dla34", 64, {}, False),
+    ("cspresnet50", 64, {}, False),
+    ("rexnet_100", 64, {}, False),
+    ("rexnet_100", 64, {}, True),
+    ("tinynet_e", 64, {}, False),
+    ("dm_nfnet_f0", 64, {}, False),
+    ("inception_v3", 96, {}, False),
+    ("xception41", 64, {}, False),
+    ("hrnet_w18_small", 64, {}, False),
+    ("coatnet_0_rw_224", 224, {}, False),
+    ("maxvit_nano_rw_256", 256, {}, False),
+    ("efficientvit_b0", 64, {}, False),
+    ("swin_tiny_patch4_window7_224", 224, {}, False),  # stochastic depth on by default
+    ("deit_tiny_patch16_224", 224, {"drop_path_rate": 0.1}, False),
+    ("mixer_s32_224", 224, {}, False),
+    ("efficientformer_l1", 224, {}, False),
+    ("resmlp_12_224", 224, {}, False),
+    ("convnext_atto", 64, {"drop_path_rate": 0.2}, False),
+    ("vit_tiny_patch16_224", 32, {"drop_path_rate": 0.2, "img_size": 32, "patch_size": 8}, False),
+]
+
+ONE = """
+import functools, sys, torch, timm
+import tests.test_transformers_timm as T
+from monet_opt.profile import build_problem
+name, size, kw, bitwise = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3]), sys.argv[4] == "1"
+if bitwise:
+    T.build_problem = functools.partial(build_problem, bitwise=True)
+torch.manual_seed(0)
+model = timm.create_model(name, pretrained=False, num_classes=10, **kw).train()
+x = torch.randn(2, 3, size, size)
+T._check(model, x, 0.4, name, example_inputs=(x,))
+"""
+
+
+def run_one(name: str, size: int, kw: dict, bitwise: bool, timeout: float) -> tuple[str, float, str]:
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ONE, name, str(size), repr(kw), "1" if bitwise else "0"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0, f"over {timeout:.0f} s"
+    seconds = time.perf_counter() - t0
+    if done.returncode == 0:
+        return "ok", seconds, ""
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return "FAIL", seconds, (lines[-1] if lines else f"exit {done.returncode}")[:300]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
+    args = ap.parse_args(argv)
+    models = [m for m in MODELS if not args.only or m[0] in args.only]
+    started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    rows = []
+    for name, size, kw, bitwise in models:
+        status, seconds, detail = run_one(name, size, kw, bitwise, args.timeout)
+        options = ", ".join([f"{k}={v}" for k, v in kw.items()] + (["bitwise"] if bitwise else []))
+        print(f"{status:7s} {name} {size} {options} {seconds:.0f} s {detail}", flush=True)
+        rows.append(
+            f"| {name} | {size} | {options} | {status} | {seconds:.0f} | {detail.replace('|', '/')} |"
+        )
+    passed = sum(1 for r in rows if "| ok |" in r)
+    text = "\n".join(
+        [
+            f"### timm models through the pipeline ({started})",
+            "",
+            f"`python benchmarks/model_sweep.py{' --only ' + ' '.join(args.only) if args.only else ''}`: "
+            f"{passed} of {len(rows)} rows pass (batch 2; 10-s solves at 0.4 of the way from the "
+            "lowest feasible peak to plain's; gradients, budget and prediction checked as the tests do).",
+            "",
+            "| model | image | options | result | s | what failed |",
+            "|---|---:|---|---|---:|---|",
+            *rows,
+            "",
+        ]
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "model_sweep.md", text)
+    print(f"wrote {out / 'model_sweep.md'}")
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
