@@ -1,15 +1,18 @@
-"""timm model families through the whole pipeline: trace, profile, solve, one wrapped training step.
+"""timm and Hugging Face model families through the whole pipeline: trace, profile, solve, one
+wrapped training step.
 
-    python benchmarks/model_sweep.py [--out DIR] [--only NAME ...]
+    python benchmarks/model_sweep.py [--family timm|hf] [--out DIR] [--only NAME ...]
 
-Each model (random weights, batch 2, 64x64 unless the model fixes its input size) runs in a
+Each model (random weights; timm: batch 2, 64x64 unless the model fixes its input size; Hugging
+Face: a tiny configuration, 2 layers of width 64, token ids of batch 8 x 64, logits out) runs in a
 process of its own (a crash or a hang is one row, not the sweep): traced, profiled, solved for
 10 s at 0.4 of the way from the lowest feasible peak to plain PyTorch's
 (`tests.test_runtime.budget_at`), then one wrapped step is checked against plain PyTorch the
 way the tests check (`tests.test_transformers_timm._check`): the same gradients (rtol 1e-5,
 atol 1e-5 of the largest gradient, at least 1e-6), twice (recorded, then replayed), the measured
 peak inside the budget and within 5 % of the prediction. `bitwise` rows offer only implementations
-whose gradients are torch's bit for bit. Writes DIR/model_sweep.md.
+whose gradients are torch's bit for bit. Writes DIR/model_sweep.md (timm) or
+DIR/model_sweep_hf.md.
 """
 
 from __future__ import annotations
@@ -61,6 +64,181 @@ MODELS = [
     ("vit_tiny_patch16_224", 32, {"drop_path_rate": 0.2, "img_size": 32, "patch_size": 8}, False),
 ]
 
+# Hugging Face: (name, config class, model class, config keyword arguments); vocabulary 256
+HF_MODELS = [
+    ("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=64, n_head=4, n_positions=64)),
+    (
+        "gpt_neox",
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "opt",
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_dim=128,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+        ),
+    ),  # noqa: E501
+    (
+        "llama",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "mistral",
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "qwen2",
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "gemma",
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "phi",
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    ("bloom", "BloomConfig", "BloomForCausalLM", dict(n_layer=2, hidden_size=64, n_head=4)),
+    (
+        "falcon",
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4),
+    ),
+    (
+        "bert",
+        "BertConfig",
+        "BertForMaskedLM",
+        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
+    ),  # noqa: E501
+    (
+        "roberta",
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=80,
+        ),
+    ),  # noqa: E501
+    (
+        "distilbert",
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        dict(n_layers=2, dim=64, n_heads=4, hidden_dim=128, max_position_embeddings=64),
+    ),  # noqa: E501
+    (
+        "albert",
+        "AlbertConfig",
+        "AlbertForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            embedding_size=32,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "electra",
+        "ElectraConfig",
+        "ElectraForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            embedding_size=32,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+    (
+        "deberta_v2",
+        "DebertaV2Config",
+        "DebertaV2ForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),  # noqa: E501
+]
+
+ONE_HF = """
+import sys, torch, transformers
+import tests.test_transformers_timm as T
+from monet_opt.models import TokenLogits
+name, config, cls, kw = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+torch.manual_seed(0)
+model = TokenLogits(getattr(transformers, cls)(getattr(transformers, config)(vocab_size=256, **kw))).train()
+x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+T._check(model, x, 0.5, name, input_shape=tuple(x.shape))
+"""
+
 ONE = """
 import functools, sys, torch, timm
 import tests.test_transformers_timm as T
@@ -75,15 +253,10 @@ T._check(model, x, 0.4, name, example_inputs=(x,))
 """
 
 
-def run_one(name: str, size: int, kw: dict, bitwise: bool, timeout: float) -> tuple[str, float, str]:
+def run_one(argv: list[str], timeout: float) -> tuple[str, float, str]:
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", ONE, name, str(size), repr(kw), "1" if bitwise else "0"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        done = subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - t0, f"over {timeout:.0f} s"
     seconds = time.perf_counter() - t0
@@ -95,15 +268,26 @@ def run_one(name: str, size: int, kw: dict, bitwise: bool, timeout: float) -> tu
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["timm", "hf"], default="timm")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
     args = ap.parse_args(argv)
-    models = [m for m in MODELS if not args.only or m[0] in args.only]
+    if args.family == "timm":
+        runs = [
+            (name, str(size), [ONE, name, str(size), repr(kw), "1" if bitwise else "0"], kw, bitwise)
+            for name, size, kw, bitwise in MODELS
+        ]
+    else:
+        runs = [
+            (name, "8x64", [ONE_HF, name, config, cls, repr(kw)], {}, False)
+            for name, config, cls, kw in HF_MODELS
+        ]
+    runs = [r for r in runs if not args.only or r[0] in args.only]
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     rows = []
-    for name, size, kw, bitwise in models:
-        status, seconds, detail = run_one(name, size, kw, bitwise, args.timeout)
+    for name, size, argv, kw, bitwise in runs:
+        status, seconds, detail = run_one(argv, args.timeout)
         options = ", ".join([f"{k}={v}" for k, v in kw.items()] + (["bitwise"] if bitwise else []))
         print(f"{status:7s} {name} {size} {options} {seconds:.0f} s {detail}", flush=True)
         rows.append(
@@ -112,13 +296,14 @@ def main(argv=None) -> int:
     passed = sum(1 for r in rows if "| ok |" in r)
     text = "\n".join(
         [
-            f"### timm models through the pipeline ({started})",
+            f"### {'timm' if args.family == 'timm' else 'Hugging Face'} models through the pipeline ({started})",
             "",
-            f"`python benchmarks/model_sweep.py{' --only ' + ' '.join(args.only) if args.only else ''}`: "
-            f"{passed} of {len(rows)} rows pass (batch 2; 10-s solves at 0.4 of the way from the "
-            "lowest feasible peak to plain's; gradients, budget and prediction checked as the tests do).",
+            f"`python benchmarks/model_sweep.py --family {args.family}"
+            f"{' --only ' + ' '.join(args.only) if args.only else ''}`: {passed} of {len(rows)} rows pass "
+            f"(10-s solves at {0.4 if args.family == 'timm' else 0.5} of the way from the lowest feasible "
+            "peak to plain's; gradients, budget and prediction checked as the tests do).",
             "",
-            "| model | image | options | result | s | what failed |",
+            f"| model | {'image' if args.family == 'timm' else 'tokens'} | options | result | s | what failed |",
             "|---|---:|---|---|---:|---|",
             *rows,
             "",
@@ -126,8 +311,9 @@ def main(argv=None) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "model_sweep.md", text)
-    print(f"wrote {out / 'model_sweep.md'}")
+    path = out / ("model_sweep.md" if args.family == "timm" else "model_sweep_hf.md")
+    atomic_write_text(path, text)
+    print(f"wrote {path}")
     return 0 if passed == len(rows) else 1
 
 

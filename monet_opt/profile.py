@@ -60,11 +60,12 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 9  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 10  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
 # 9: keys hold a non-contiguous input's strides (before, a same-shaped node's measurement was reused)
+# 10: attention implementations return the query's layout, as torch's default does
 
 
 # -- device identity and cache -------------------------------------------------------

@@ -736,6 +736,22 @@ def test_attention_implementations_match(case, shape, kw):
         assert_close_all(grads_of(y, ins, g), ref_g, rtol=RTOL, atol=1e-5)
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_attention_outputs_keep_the_default_layout(gqa):
+    """Queries that are a transposed (B, S, H, D) projection give torch's attention an output whose
+    transpose back is contiguous; every implementation must return the same strides, or a model's
+    `.transpose(1, 2).contiguous()` copies where the profile (taken with the default) saw a view."""
+    hk = 2 if gqa else 4
+    q = torch.randn(2, 12, 4, 8).transpose(1, 2)
+    k, v = (torch.randn(2, 12, hk, 8).transpose(1, 2) for _ in range(2))
+    kw = {"is_causal": True, "enable_gqa": gqa}
+    ref = SDPA(q, k, v, **kw)
+    assert ref.transpose(1, 2).is_contiguous()  # torch's own layout, which the others must follow
+    for name, impl in impls("call_function", SDPA, (q, k, v), kw).items():
+        y = run(impl, SDPA, [t.clone().requires_grad_() for t in (q, k, v)], kw)
+        assert y.stride() == ref.stride(), (name, y.stride(), ref.stride())
+
+
 def test_attention_chunked_gradcheck():
     q, k, v = (t.double().requires_grad_() for t in _qkv(b=1, h=2, lq=7, lk=7, e=4))
     assert torch.autograd.gradcheck(
