@@ -65,20 +65,18 @@ MODELS = [
 ]
 
 # Hugging Face: (name, config class, model class, config keyword arguments); vocabulary 256
+_LLAMA_LIKE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
+_BERT_LIKE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
 HF_MODELS = [
     ("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=64, n_head=4, n_positions=64)),
-    (
-        "gpt_neox",
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
+    ("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_BERT_LIKE, max_position_embeddings=64)),
     (
         "opt",
         "OPTConfig",
@@ -91,72 +89,12 @@ HF_MODELS = [
             max_position_embeddings=64,
             word_embed_proj_dim=64,
         ),
-    ),  # noqa: E501
-    (
-        "llama",
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
-    (
-        "mistral",
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
-    (
-        "qwen2",
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
-    (
-        "gemma",
-        "GemmaConfig",
-        "GemmaForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
-    (
-        "phi",
-        "PhiConfig",
-        "PhiForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
+    ),
+    ("llama", "LlamaConfig", "LlamaForCausalLM", _LLAMA_LIKE),
+    ("mistral", "MistralConfig", "MistralForCausalLM", _LLAMA_LIKE),
+    ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _LLAMA_LIKE),
+    ("gemma", "GemmaConfig", "GemmaForCausalLM", dict(_LLAMA_LIKE, head_dim=16)),
+    ("phi", "PhiConfig", "PhiForCausalLM", dict(_BERT_LIKE, max_position_embeddings=64)),
     ("bloom", "BloomConfig", "BloomForCausalLM", dict(n_layer=2, hidden_size=64, n_head=4)),
     (
         "falcon",
@@ -164,68 +102,27 @@ HF_MODELS = [
         "FalconForCausalLM",
         dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4),
     ),
-    (
-        "bert",
-        "BertConfig",
-        "BertForMaskedLM",
-        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
-    ),  # noqa: E501
-    (
-        "roberta",
-        "RobertaConfig",
-        "RobertaForMaskedLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=80,
-        ),
-    ),  # noqa: E501
+    ("bert", "BertConfig", "BertForMaskedLM", _BERT_LIKE),
+    ("roberta", "RobertaConfig", "RobertaForMaskedLM", dict(_BERT_LIKE, max_position_embeddings=80)),
     (
         "distilbert",
         "DistilBertConfig",
         "DistilBertForMaskedLM",
         dict(n_layers=2, dim=64, n_heads=4, hidden_dim=128, max_position_embeddings=64),
-    ),  # noqa: E501
+    ),
     (
         "albert",
         "AlbertConfig",
         "AlbertForMaskedLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            embedding_size=32,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
+        dict(_BERT_LIKE, embedding_size=32, max_position_embeddings=64),
+    ),
     (
         "electra",
         "ElectraConfig",
         "ElectraForMaskedLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            embedding_size=32,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
-    (
-        "deberta_v2",
-        "DebertaV2Config",
-        "DebertaV2ForMaskedLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # noqa: E501
+        dict(_BERT_LIKE, embedding_size=32, max_position_embeddings=64),
+    ),
+    ("deberta_v2", "DebertaV2Config", "DebertaV2ForMaskedLM", dict(_BERT_LIKE, max_position_embeddings=64)),
 ]
 
 ONE_HF = """

@@ -88,9 +88,11 @@ def functionalize(gm: fx.GraphModule) -> list[str]:
     docstring); returns the names of the nodes whose mutation some later node now reads."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     rewired: list[str] = []
+    changed = False
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is operator.setitem and isinstance(n.args[0], fx.Node):
             n.target = setitem_out_of_place
+            changed = True
             arg = n.args[0]
         else:
             arg = mutated_argument(n, gm)
@@ -101,7 +103,7 @@ def functionalize(gm: fx.GraphModule) -> list[str]:
             u.replace_input_with(arg, n)
         if later:
             rewired.append(n.name)
-    if rewired:
+    if rewired or changed:
         gm.graph.lint()
         gm.recompile()
     return rewired
