@@ -27,7 +27,6 @@ refuses, naming the nodes (`monet_opt.graph._Measure`).
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from monet_opt.ops.common import INPLACE_OPERATORS, is_mutating_method_name
+from monet_opt.ops.common import INPLACE_OPERATORS, inplace_position, is_mutating_method_name
 
 __all__ = ["functionalize", "mutated_argument", "setitem_out_of_place"]
 
@@ -51,14 +50,8 @@ def _inplace_flag(fn: Any, args: tuple, kwargs: dict) -> bool:
     """`fn(..., inplace=True)`, by keyword or position."""
     if kwargs.get("inplace") is True:
         return True
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    if "inplace" not in params:
-        return False
-    pos = params.index("inplace")
-    return len(args) > pos and args[pos] is True
+    pos = inplace_position(fn)
+    return pos is not None and len(args) > pos and args[pos] is True
 
 
 def mutated_argument(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
@@ -68,12 +61,12 @@ def mutated_argument(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     if n.op == "call_method":
         mutates = is_mutating_method_name(str(n.target))
     elif n.op == "call_function":
-        name = getattr(n.target, "__name__", "")
         if n.target in INPLACE_OPERATORS:
             mutates = True
         elif getattr(n.target, "__module__", None) in ("operator", "_operator"):
             mutates = False  # operator.and_, or_, not_: no mutation despite the name
         else:
+            name = getattr(n.target, "__name__", "")
             mutates = is_mutating_method_name(name) or _inplace_flag(n.target, n.args, n.kwargs)
     elif n.op == "call_module":
         mod = gm.get_submodule(str(n.target))

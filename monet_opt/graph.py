@@ -594,15 +594,11 @@ class _Measure(fx.Interpreter):
             return result
         input_nodes = [a for a in _flatten((n.args, n.kwargs)) if isinstance(a, fx.Node)]
         self._check_no_stale_read(n, input_nodes)
-        all_versions = [[t._version for t in _tensors(self.env[a])] for a in input_nodes]
+        # every input's tensor versions before the call (in-place detection)
+        versions = {a: [t._version for t in _tensors(self.env[a])] for a in input_nodes}
         op_inputs = [a for a in input_nodes if a.name in self.op_names]
-        # storages of each OpNode input position, and versions (in-place detection)
-        in_keys: list[set[tuple[str, int]]] = []
-        in_versions: list[list[int]] = []
-        for a in op_inputs:
-            ts = _tensors(self.env[a])
-            in_keys.append({k for k in (_skey(t) for t in ts) if k is not None})
-            in_versions.append([t._version for t in ts])
+        # storages of each OpNode input position
+        in_keys = [{k for k in map(_skey, _tensors(self.env[a])) if k is not None} for a in op_inputs]
 
         saved: list[torch.Tensor] = []
 
@@ -676,15 +672,14 @@ class _Measure(fx.Interpreter):
                 self.storage_owner.setdefault(k, n.name)
             saved_storages.append(SavedStorage(kind, pos, nb, sid, owner))
 
-        mutated = []
-        for i, a in enumerate(op_inputs):
-            ts = _tensors(self.env[a])
-            if any(t._version != v for t, v in zip(ts, in_versions[i])):
-                mutated.append(i)
+        changed = {
+            a: [t for t, v in zip(_tensors(self.env[a]), before) if t._version != v]
+            for a, before in versions.items()
+        }
+        mutated = [i for i, a in enumerate(op_inputs) if changed[a]]
         self.value_keys[n] = {k for k in map(_skey, out_ts) if k is not None}
-        for a, versions in zip(input_nodes, all_versions):
-            changed = [t for t, v in zip(_tensors(self.env[a]), versions) if t._version != v]
-            for k in {k for k in map(_skey, changed) if k is not None}:
+        for tensors in changed.values():
+            for k in {k for k in map(_skey, tensors) if k is not None}:
                 if k in self.excluded:
                     raise TraceError(
                         f"node {n.name!r} ({n.op} {_target_str(n)}) changes a parameter or buffer in "

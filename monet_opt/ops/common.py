@@ -111,15 +111,21 @@ def bind(fn: Callable, args: tuple, kwargs: dict, sig: inspect.Signature | None 
     return dict(bound.arguments)
 
 
+def inplace_position(fn: Callable) -> int | None:
+    """The position of `fn`'s `inplace` parameter (F.relu, F.dropout, ...), None if it has none."""
+    sig = _signature(fn)
+    if sig is None or "inplace" not in sig.parameters:
+        return None
+    return list(sig.parameters).index("inplace")
+
+
 def _function_runner(fn: Callable) -> Callable:
     """Out-of-place runner for a function target."""
     if fn in INPLACE_OPERATORS:
         twin = INPLACE_OPERATORS[fn]
         return lambda target, args, kwargs, recompute: twin(*args, **kwargs)
-    sig = _signature(fn)
-    if sig is not None and "inplace" in sig.parameters:
-        names = list(sig.parameters)
-        pos = names.index("inplace")
+    pos = inplace_position(fn)
+    if pos is not None:
 
         def run(target, args, kwargs, recompute):
             if len(args) > pos:
