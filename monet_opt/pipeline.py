@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import solver
+from monet_opt import lowest_found
 from monet_opt.profile import build_problem
 from solver.baselines import plan_of
 from solver.problem import Problem
@@ -104,10 +105,24 @@ def solve_model(
         zero_pack=zero_pack,
         bitwise=bitwise,
     )
-    if budget == "min":
-        schedule = solver.minimum_peak(problem, time_limit=time_limit, verbose=verbose, solver=milp_solver)
-    else:
-        schedule = solver.solve(problem, budget, time_limit=time_limit, verbose=verbose, solver=milp_solver)
+    # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
+    # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)
+    kept = lowest_found.recall_plan(problem)
+    start = None if kept is None else kept[0]
+    try:
+        if budget == "min":
+            schedule = solver.minimum_peak(
+                problem, time_limit=time_limit, verbose=verbose, solver=milp_solver, start_plan=start
+            )
+            lowest_found.remember(problem, schedule)
+        else:
+            schedule = solver.solve(
+                problem, budget, time_limit=time_limit, verbose=verbose, solver=milp_solver, start_plan=start
+            )
+    except solver.InfeasibleBudget as exc:
+        if exc.lowest is not None:
+            lowest_found.remember(problem, exc.lowest)
+        raise
     if refine:
         problem, schedule = refine_schedule(
             model, example_inputs, problem, schedule, refine, time_limit, verbose, optimizer, milp_solver

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -60,12 +61,13 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 10  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 11  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
 # 9: keys hold a non-contiguous input's strides (before, a same-shaped node's measurement was reused)
 # 10: attention implementations return the query's layout, as torch's default does
+# 11: grad_passed_flat: inputs whose gradient is the fed one (views, identities); out_strides
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -278,6 +280,12 @@ def measure_node(
     for p in params:
         p.grad = None
     a, k, leaves = make_inputs()
+    # the storage of the gradient each input receives, as the engine hands it over (before a
+    # leaf's AccumulateGrad, which may copy it: the runtime takes it as it is)
+    reached: dict[int, int] = {}
+    leaf_positions = [pos for pos, v in enumerate(tree_flatten((args, kwargs))[0]) if pos in grad_positions]
+    for pos, leaf in zip(leaf_positions, leaves):
+        leaf.register_hook(functools.partial(_note_storage, reached, pos))
     saved: list[tuple[int, int]] = []  # (storage key, bytes): no reference, so the backward can free them
 
     def pack(t):
@@ -343,6 +351,7 @@ def measure_node(
     )
     fwd_workspace = max(0, fwd_peak - out_owned - state_bytes)
     bwd_workspace = 0
+    grad_passed_flat: list[int] = []
     if grads:
         # input gradients the backward allocated: an in-place backward's input gradient is the
         # buffer it was fed, which existed before (counting it hid the chunked temporaries of
@@ -351,6 +360,11 @@ def measure_node(
         in_grads = sum(
             _storage_bytes(x.grad) for x in leaves if x.grad is not None and storage_key(x.grad) not in fed
         )
+        # inputs whose gradient is the buffer the backward was fed, or a view of it: a view's or
+        # an identity's backward allocates nothing (OPT returns logits.contiguous(): counted as a
+        # new logits-sized buffer, its no-recompute peak was predicted 9 % high)
+        if not impl.grad_in_place:
+            grad_passed_flat = sorted(pos for pos, key in reached.items() if key in fed)
         p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
         bwd_workspace = max(0, bwd_peak - in_grads - p_grads)
     del out
@@ -383,7 +397,19 @@ def measure_node(
         "kept_input_flat": sorted(kept_input_flat),
         "keeps_output": keeps_output,
         "state_bytes": int(state_bytes),
+        "grad_passed_flat": grad_passed_flat,
+        "out_strides": _layout(flat_out),
     }
+
+
+def _layout(flat_out: list) -> list[list[int]]:
+    """The strides of each output tensor, of its dimensions longer than 1 (the others' strides do
+    not matter)."""
+    return [[st for st, size in zip(t.stride(), t.shape) if size > 1] for t in flat_out]
+
+
+def _note_storage(into: dict[int, int], pos: int, grad: torch.Tensor) -> None:
+    into[pos] = storage_key(grad)
 
 
 def _memo_bytes(target: Any) -> int:
@@ -472,6 +498,7 @@ def build_problem(
     hits = 0
     busy_measured = 0
     warned_busy = False
+    other_layouts: list[str] = []  # node:implementation whose output layout is not the default's
     requires_grad: set[str] = set()
     random_nodes: list[str] = []
     param_owner: dict[int, str] = {}
@@ -565,12 +592,21 @@ def build_problem(
                 cache.put(key, entry, load)
             else:
                 hits += 1
+            if impl.name != "default" and entry["out_strides"] != _layout(flat_out):
+                # another layout than torch's would change what later nodes copy or keep, which
+                # the profile (made on the default's values) does not see: not offered
+                other_layouts.append(f"{fx_node.name}:{impl.name}")
+                continue
             if impl.value_state_bytes is not None:  # this node's values, not a same-shaped node's
                 entry = dict(entry, state_bytes=int(impl.value_state_bytes(args, kwargs)))
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
             in_place = _grad_in_place_position(impl, flat_vals, positions, flat_out)
             writes_into = fwd_in_place if impl.name == "default" else None
             shared = _grad_shared_positions(fx_node, target, kwargs, in_place, flat_vals, positions, flat_out)
+            if in_place is None:  # (a view, an identity: measured handing its gradient on)
+                shared = tuple(
+                    sorted({positions[p] for p in entry["grad_passed_flat"] if positions[p] is not None})
+                )
             impl_rows.append(
                 Impl(
                     name=impl.name,
@@ -617,6 +653,13 @@ def build_problem(
         bar.update(1)
     bar.close()
     cache.save()
+    if other_layouts:
+        warnings.warn(
+            f"{len(other_layouts)} implementations not offered: their outputs are laid out unlike "
+            f"torch's (node:implementation {', '.join(other_layouts[:6])})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     env.clear()
     model.train(was_training)
 

@@ -1185,11 +1185,14 @@ def _mib(n: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 class InfeasibleBudget(ValueError):
-    """No schedule fits the budget; `minimum_bytes` is the smallest budget known to be needed/enough."""
+    """No schedule fits the budget; `minimum_bytes` is the smallest budget known to be needed/enough.
+    `lowest`: the lowest-peak schedule the failed solve found (over the budget), if any: a later
+    solve for `minimum_bytes` may start from it (`start_plan`) instead of searching again."""
 
-    def __init__(self, message: str, minimum_bytes: int) -> None:
+    def __init__(self, message: str, minimum_bytes: int, lowest=None) -> None:
         super().__init__(message)
         self.minimum_bytes = int(minimum_bytes)
+        self.lowest = lowest
 
 
 class NoScheduleFound(InfeasibleBudget):
@@ -1303,9 +1306,11 @@ def _solve(
         info = SolverInfo(name=name, status=status, solve_time_s=time.perf_counter() - t_start)
         return dataclasses.replace(start, solver=info), start_plan
 
+    start_peak = None  # start_plan's peak, whether it fits or not
     if start_plan is not None:
         start_sched = to_schedule(an, start_plan, "milp", SolverInfo(name="start-plan"), budget_bytes)
-        if simulate(problem, start_sched).peak_bytes <= budget_bytes:
+        start_peak = simulate(problem, start_sched).peak_bytes
+        if start_peak <= budget_bytes:
             start = start_sched
     if start is not None and (
         warm_plan is None or not warm_start or start.predicted_time_s < base.predicted_time_s
@@ -1318,12 +1323,16 @@ def _solve(
         t_peak = time.perf_counter() + 0.75 * (deadline - time.perf_counter())
         # a tight gap: it stops at the first plan under the budget anyway, and a 1 % gap on
         # the peak can stop it just above the budget
+        # from start_plan if its peak is below every baseline's (a plan an earlier search found)
+        lowest = _lowest_plan(problem)
+        if start_peak is not None and (lowest is None or start_peak < min_known_peak(problem)[0]):
+            lowest = start_plan
         low = _ladder(
             problem,
             an,
             None,
             window,
-            _lowest_plan(problem),
+            lowest,
             t_peak,
             0.001,
             threads,
@@ -1338,7 +1347,7 @@ def _solve(
                 warm_plan = low.best[2]
             else:
                 known, name = min_known_peak(problem)
-                known = min(known, low_peak)
+                known = min(known, low_peak, start_peak or known)
                 w_low, res_low = low.last
                 if w_low is None and res_low is not None and res_low.status == "optimal":
                     # the peak MILP over every schedule ended optimal: more time is unlikely to find a
@@ -1351,12 +1360,14 @@ def _solve(
                         f"no schedule goes below {_mib(lb)}, the memory none can avoid); a budget of "
                         f"{known} bytes works, and 'min' solves for the smallest peak",
                         known,
+                        low.best[0],
                     )
                 raise NoScheduleFound(
                     f"no schedule within budget {budget_bytes} bytes found in {time_limit:.0f} s; the "
                     f"lower bound is {lb} bytes and the smallest peak found is {known} bytes (MILP "
                     f"minimising the peak, {low.scope()}); raise the budget or the time limit",
                     known,
+                    low.best[0],
                 )
     # the other fitting baselines, fastest first: warm starts if the window's rows reject the first
     alternates = [p for p in base_plans if p is not warm_plan]
@@ -1495,26 +1506,40 @@ def minimum_peak(
     window="auto",
     threads: int = 2,
     solver: str = "highs",
+    start_plan: Plan | None = None,
 ):
     """The fastest schedule at the smallest peak the MILP finds within `time_limit`.
 
     Half the time minimises the peak (recompute windows widening as in `solve`), the
     rest minimises the step time at that peak. `meta["lower_bound_bytes"]` is
     `min_feasible_lower_bound`: no schedule peaks lower (the MILP's own dual bound
-    is not one, since its memory rows over-approximate the simulator)."""
+    is not one, since its memory rows over-approximate the simulator).
+    `start_plan`: a plan found before (`monet_opt.lowest_found`); the peak search starts from it
+    if its peak is below the lowest baseline's, so the peak found is never above it."""
     from solver.baselines import analysis, min_known_peak, no_recompute
     from solver.bounds import min_feasible_lower_bound
+    from solver.plan import to_schedule
+    from solver.schedule import SolverInfo
+    from solver.simulate import simulate
 
     t_start = time.perf_counter()
     an = analysis(problem)
     lb = min_feasible_lower_bound(problem)
     check_backend(solver)
+    warm = _lowest_plan(problem)
+    start_peak = None
+    if start_plan is not None:
+        start_peak = simulate(
+            problem, to_schedule(an, start_plan, "start", SolverInfo(name="start"))
+        ).peak_bytes
+        if warm is None or start_peak < min_known_peak(problem)[0]:
+            warm = start_plan
     low = _ladder(
         problem,
         an,
         None,
         window,
-        _lowest_plan(problem),
+        warm,
         t_start + 0.5 * time_limit,
         0.001,
         threads,
@@ -1530,6 +1555,8 @@ def minimum_peak(
         target = min(low.best[0].predicted_peak_bytes, known)
     remaining = max(1.0, time_limit - (time.perf_counter() - t_start))
     start = low.best[2] if low.best is not None and low.best[0].predicted_peak_bytes <= target else None
+    if start_peak is not None and start_peak < target:  # (the window's rows rejected start_plan)
+        target, start = start_peak, start_plan
     sched = solve(
         problem,
         int(target),

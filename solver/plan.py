@@ -141,7 +141,8 @@ class Analysis:
             )
             self.fed_shared[t] = len(grads.holders[grads.slot[t]]) > 1
             receive = set.intersection(*(self._receivers(t, im) for im in self.impls[t]))
-            self._backward_buffers(grads, t, receive, True)
+            copies = any(im.grad_in_place is not None for im in self.impls[t])
+            self._backward_buffers(grads, t, receive, copies)
 
     def _backward_buffers(self, grads: _GradBuffers, t: int, receive: set[int], copies: bool) -> int | None:
         """t's backward on the gradient buffers, as `solver.simulate` does it: its gradient fed
@@ -176,11 +177,10 @@ class Analysis:
 
     def _receivers(self, t: int, im) -> set[int]:
         """Input positions whose new gradient is the buffer t's backward is fed (same size)."""
-        if im.grad_in_place is None:
-            return set()
         nodes = self.problem.nodes
         size = nodes[t].grad_bytes
-        return {p for p in (im.grad_in_place, *im.grad_shared) if nodes[self.inputs[t][p]].grad_bytes == size}
+        given = {*im.grad_shared} | ({im.grad_in_place} - {None})
+        return {p for p in given if nodes[self.inputs[t][p]].grad_bytes == size}
 
     def grad_saving(self, t: int, m: int) -> int:
         """Bytes of new input gradient that implementation m of t does not allocate: the inputs

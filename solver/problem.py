@@ -18,9 +18,9 @@ from pathlib import Path
 from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
-# 6: Node.restores; 7: Problem.recompute_overhead_s
-PROBLEM_FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # (older files still load)
+# 6: Node.restores; 7: Problem.recompute_overhead_s; 8: Impl.grad_shared without grad_in_place
+PROBLEM_FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -49,7 +49,10 @@ class Impl:
         see `solver.simulate`.
     grad_shared: positions in `Node.inputs`, besides `grad_in_place`, whose gradient is the
         very buffer the backward is fed, shared, not copied (an addition hands its
-        output's gradient to both arguments). Only with `grad_in_place` set.
+        output's gradient to both arguments). Without `grad_in_place`, the backward does not
+        write into that buffer, so it is never copied: a view or reshape hands its input a
+        view of its own gradient, an identity (`.contiguous()` of a contiguous tensor) the
+        gradient itself.
     fwd_in_place: position in `Node.inputs` whose storage the forward writes its output
         into (an in-place ReLU or addition) when nothing but that input's own handle holds
         the storage and the schedule frees that input right after this step; None if the
@@ -247,14 +250,10 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                     f"is not an input position (the node has {len(node.inputs)} inputs)"
                 )
             shared = set(impl.grad_shared)
-            if shared and (
-                impl.grad_in_place is None
-                or impl.grad_in_place in shared
-                or not shared <= set(range(len(node.inputs)))
-            ):
+            if shared and (impl.grad_in_place in shared or not shared <= set(range(len(node.inputs)))):
                 raise ProblemError(
                     f"node {node.name!r} impl {impl.name!r}: grad_shared {impl.grad_shared} must be "
-                    "input positions other than grad_in_place, which must be set"
+                    "input positions other than grad_in_place"
                 )
             if impl.fwd_in_place is not None and not (
                 0 <= impl.fwd_in_place < len(node.inputs) and node.alias_of is None

@@ -47,9 +47,11 @@ Transient peaks:
   and the storage stays live, as the node's output, once the input's handle is freed.
 * backward of t: t's gradient buffer leaves t's slot and is fed to the backward; if
   the implementation names `grad_in_place` and the buffer is shared (another node's
-  gradient too, or a model output's), the runtime feeds a copy (a new buffer). The
+  gradient too, or a model output's), the runtime feeds a copy (a new buffer); without
+  `grad_in_place` the backward does not write into it and it is fed as it is. The
   inputs at `grad_in_place` and `grad_shared` receive the fed buffer itself as their
-  new gradient (if their `grad_bytes` equal t's); every other input that needs a
+  new gradient (if their `grad_bytes` equal t's: a view's input gets a view of it);
+  every other input that needs a
   gradient receives a new buffer of its `grad_bytes`. Peak: live (with the copy and the new buffers) + bwd_workspace +
   param_grad_bytes(t). Then t's state is dropped and each input's new gradient is
   accumulated, one at a time: it becomes the input's gradient if it has none; else it
@@ -342,7 +344,7 @@ class _Replay:
             fed = self._new_grad(node.grad_bytes)  # shared: the runtime copies it first
         self._grad_hold(fed, ("fed", node.name))
         self._grad_release(own, ("slot", node.name))  # out of its slot before the backward runs
-        receive = set() if impl.grad_in_place is None else {impl.grad_in_place, *impl.grad_shared}
+        receive = set(impl.grad_shared) | ({impl.grad_in_place} - {None})
         made = []  # (input, gradient buffer) as the backward returns them
         for pos, name in enumerate(node.inputs):
             inp = self.by_name[name]

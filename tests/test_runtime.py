@@ -375,6 +375,36 @@ def test_relu_and_add_run_in_place_only_when_nothing_else_needs_their_input():
     check_schedule("resnet18", schedule)  # gradients equal, peak as predicted
 
 
+class _LinearResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # (B, L, C): a view of the (B * L, C) product
+        return self.b(torch.relu(h + x))
+
+
+@pytest.mark.parametrize("groups", [True, False])
+def test_an_add_into_a_view_runs_in_place_only_outside_shared_graphs(groups, monkeypatch):
+    """In a shared graph, an add written into a Linear's 3-d output (a view) would make autograd
+    rebuild the base's gradient (CopySlices: two copies per add, GPT-NeoX 64 KiB over its
+    prediction): it runs out of place there; on a node's own detached input it runs in place."""
+    from monet_opt.runtime import executor
+
+    monkeypatch.setattr(executor, "_GROUPS", groups)
+    torch.manual_seed(0)
+    model, x = _LinearResidual().train(), torch.randn(4, 32, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert problem.node("add").impls[0].fwd_in_place is None  # (the profile counts on neither)
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,))
+    assert bool(wrapped.executor.groups) == groups
+    calls = _count_reuse(wrapped, x)
+    assert "relu" in calls and ("add" in calls) != groups, calls
+    _check_not_above_prediction(model, wrapped, x, problem, baselines.no_recompute(problem))
+
+
 def test_stem_bitmask_relu_and_channels_last_max_pool_in_a_wrapped_resnet():
     """ResNet's stem ReLU keeping a bit mask, its max pool run on channels_last copies: the
     plain model's gradients and running statistics, the predicted peak, with nothing recomputed
@@ -551,6 +581,34 @@ def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch)
     members = {m for g in wrapped.executor.groups for m in g.members}
     assert members and not members & set(pick)
     check_schedule("resnet18", schedule)
+
+
+class _ReluView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.a(x)).view(-1, 32)
+
+
+@pytest.mark.parametrize("impl", ["bitmask", "inplace_grad", "input_activated"])
+def test_a_gradient_writing_backward_copies_the_outputs_gradient_through_a_view(impl):
+    """The model returns a view of a ReLU: the view hands the loss's gradient on to the ReLU,
+    whose in-place backward must not overwrite it (the engine, and hooks on the output, still
+    hold it). Before, the runtime wrote into it: a hook saw 16,189 of 16,384 values changed."""
+    torch.manual_seed(0)
+    model, x = _ReluView().train(), torch.randn(256, 32)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem, {"relu": impl}), example_inputs=(x,))
+    weights = torch.linspace(-1, 1, 32)
+    seen = {}
+    for name, module in (("plain", model), ("wrapped", wrapped)):
+        out = module(x)
+        out.register_hook(functools.partial(seen.__setitem__, name))
+        (out * weights).sum().backward()
+    assert torch.equal(seen["wrapped"], seen["plain"])
+    assert_same_gradients(model, wrapped, x, "ReluView")
 
 
 def _check_not_above_prediction(model, wrapped, x, problem, schedule) -> None:

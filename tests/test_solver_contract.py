@@ -324,6 +324,55 @@ def test_simulator_counts_a_gradient_buffer_an_addition_hands_to_both_inputs_onc
         assert simulate(p, out).peak_bytes <= sim.peak_bytes
 
 
+def test_simulator_hands_a_views_gradient_on_without_copying_it():
+    """v = r.view(...) is the model output: its backward hands the loss's gradient buffer to r
+    (`grad_shared` without `grad_in_place`: nothing is written into it, so nothing is copied,
+    though the engine holds it). r's in-place backward then copies that shared buffer. Hand-counted;
+    `grad_shared=()` (a new buffer for r) for comparison."""
+    from solver import Impl, Node
+
+    def problem(shared):
+        return Problem(
+            nodes=(
+                Node("a", "conv", (), 100, (Impl("d", 1, 1),), grad_bytes=100, requires_backward=True),
+                Node(
+                    "r",
+                    "relu",
+                    ("a",),
+                    100,
+                    (Impl("d", 1, 1, keeps_output=True, grad_in_place=0),),
+                    100,
+                    None,
+                    True,
+                ),
+                Node(
+                    "v",
+                    "view",
+                    ("r",),
+                    0,
+                    (Impl("d", 0, 0, grad_shared=shared),),
+                    grad_bytes=100,
+                    alias_of=0,
+                    requires_backward=True,
+                    is_output=True,
+                ),
+            ),
+            fingerprint="x",
+        )
+
+    sched = _schedule([Step("compute", x, "d", True) for x in "arv"], "vra")
+    shared = simulate(problem((0,)), sched)
+    separate = simulate(problem(()), sched)
+    # forward 200 (a, r; v is a view); backward v: + the loss's gradient 100, which r receives
+    # (shared) or beside which r gets a new 100 (separate); r: its copy of the shared buffer
+    assert _stage_ends(shared) == [200, 300, 400, 300]
+    assert _stage_ends(separate) == [200, 400, 400, 300]
+    assert Problem.from_dict(problem((0,)).to_dict()) == problem((0,))
+    for p, sim in ((problem((0,)), shared), (problem(()), separate)):
+        out = solve(p, sim.peak_bytes, time_limit=10, verbose=False, window=None)
+        assert simulate(p, out).peak_bytes <= sim.peak_bytes
+
+
 def test_simulator_writes_an_in_place_forward_into_its_freed_input():
     """r = relu(a) with fwd_in_place: when the schedule frees a right after r and nothing else
     holds a's storage, r's output is a's storage (no new bytes); not when a's state keeps it."""

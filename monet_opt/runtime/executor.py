@@ -186,6 +186,7 @@ class _StepRun:
     param_left: dict[int, int] = field(default_factory=dict)  # id(param) -> backwards still to run
     flat_len: dict[str, int] = field(default_factory=dict)
     output_map: list[tuple[str, int]] = field(default_factory=list)
+    output_grad_keys: set[int] = field(default_factory=set)  # storages of the model outputs' gradients
     # storages (data_ptr) held by the value handles in env, and saved by the live states:
     # counted as they come and go, so the in-place reuse check is O(1), not O(live values)
     value_refs: Counter = field(default_factory=Counter)
@@ -301,11 +302,13 @@ def _reuse_kind(node: fx.Node, target: Any) -> str | None:
 
 def reuse_arguments_allow(kind: str, x: Any, y: Any = None) -> bool:
     """The arguments let a ReLU ('relu') or an addition x + y ('add') write into x: x is a
-    dense, contiguous, non-empty floating tensor, and y a number or a tensor of x's dtype
+    dense, contiguous, non-empty floating tensor, not a view, and y a number or a tensor of x's dtype
     in another storage that broadcasts to x's shape. (The rest of the condition depends on
     the schedule: see `ScheduleExecutor._may_reuse`; the profiler records this half as
     `Impl.fwd_in_place`, which `solver.simulate` counts.)"""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x._is_view():
+        # (a view in autograd's sense: see `ScheduleExecutor._may_reuse`; the runtime's detached
+        # values are none, so there this only keeps the profile from counting on it)
         return False
     if kind == "add":
         if isinstance(y, torch.Tensor):
@@ -676,6 +679,12 @@ class ScheduleExecutor:
             y = self._value_of(run, other) if isinstance(other, fx.Node) else other
         if not reuse_arguments_allow(plan.reuse, x, y):
             return False
+        linked = run.linked.get(first.name)
+        if isinstance(linked, torch.Tensor) and linked._is_view():
+            # in a shared graph, writing into a view (a Linear on a 3-d input returns one of its
+            # 2-d product) makes autograd rebuild the base's gradient: CopySlices allocated two
+            # copies per add in GPT-NeoX's blocks, 64 KiB over the prediction
+            return False
         key = storage_key(x)
         return run.saved_refs[key] == 0 and run.value_refs[key] == 1  # x's own handle only
 
@@ -836,8 +845,9 @@ class ScheduleExecutor:
 
     def _owned(self, run: _StepRun, name: str, g: torch.Tensor) -> bool:
         """g (name's gradient, already taken out of its slot) may be overwritten: no other slot
-        holds its storage, it is dense, and it is not a model output's (the engine holds those)."""
-        if any(src == name for src, _ in run.output_map):
+        holds its storage, it is dense, and it is not a model output's or a view of one (the
+        engine holds those: a view or identity node hands its input the output's gradient)."""
+        if any(src == name for src, _ in run.output_map) or storage_key(g) in run.output_grad_keys:
             return False
         if not gradient_spans_storage(g):
             return False
@@ -883,6 +893,7 @@ class ScheduleExecutor:
         return run, flat, spec
 
     def run_backward(self, run: _StepRun, output_grads: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        run.output_grad_keys = {storage_key(g) for g in output_grads if g is not None}
         for (src, pos), g in zip(run.output_map, output_grads):
             if g is None or src not in self.plans:
                 continue

@@ -1,0 +1,62 @@
+"""The lowest-peak schedule found per problem, kept between solves (monet_opt/lowest_found.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import solver
+from monet_opt import lowest_found
+from solver import baselines
+from solver.synthetic import chain
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_keeps_the_lowest_peak_and_ignores_what_it_cannot_use(cache):
+    problem = chain(24)
+    low, high = baselines.lowest_peak_baseline(problem), baselines.no_recompute(problem)
+    low_peak = solver.simulate(problem, low).peak_bytes
+    assert low_peak < solver.simulate(problem, high).peak_bytes
+    assert lowest_found.recall(problem) is None
+    assert lowest_found.remember(problem, high)
+    assert lowest_found.remember(problem, low)
+    assert not lowest_found.remember(problem, high)  # not lower: the kept one stays
+    schedule, peak = lowest_found.recall(problem)
+    assert peak == low_peak and schedule.strategy == low.strategy
+    plan, plan_peak = lowest_found.recall_plan(problem)
+    assert plan_peak == low_peak and plan is not None
+    # another problem's file, or a corrupt one, is nobody's
+    other = chain(25)
+    assert lowest_found.recall(other) is None
+    lowest_found._path(problem).write_text("{not json")
+    assert lowest_found.recall(problem) is None
+    assert lowest_found.remember(problem, high)  # (and is replaced by the next one found)
+
+
+def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeypatch):
+    """A search that finds nothing this time (every MILP stopped by its limit before a plan:
+    `_ladder` made to find nothing) still meets the minimum an earlier error named, from the kept
+    schedule; without it there is no schedule."""
+    from solver import milp
+
+    problem = chain(12)
+    low = solver.minimum_peak(problem, time_limit=10, verbose=False)
+    peak = low.predicted_peak_bytes
+    assert peak < baselines.min_known_peak(problem)[0]  # no baseline meets it
+    lowest_found.remember(problem, low)
+    plan, kept_peak = lowest_found.recall_plan(problem)
+    assert kept_peak == peak
+
+    def unlucky(*args, **kwargs):
+        return milp._LadderResult(None, (None, None), [])
+
+    monkeypatch.setattr(milp, "_ladder", unlucky)
+    with pytest.raises(solver.NoScheduleFound):
+        solver.solve(problem, peak, time_limit=5, verbose=False)
+    out = solver.solve(problem, peak, time_limit=5, verbose=False, start_plan=plan)
+    assert solver.simulate(problem, out).peak_bytes <= peak
+    assert out.solver.status.startswith("fallback:")
