@@ -95,12 +95,14 @@ def backward_call(device: torch.device, calls: int = 400) -> float:
 
 def _cached(device: torch.device | str, key: str, measure_now, use_cache: bool) -> float:
     """`measure_now()`, cached by device in the profile cache (`monet_opt.profile.ProfileCache`:
-    measured again when it was measured on a busy CPU that is quiet now)."""
+    measured again when it was measured on a busy CPU that is quiet now). Once measured or read
+    in this process it is kept for the process, `use_cache=False` included: it is the runtime's
+    cost on this device, not the model's (measuring it again took ~5 s per `build_problem`)."""
     from monet_opt.profile import ProfileCache, cpu_load, device_fingerprint
 
     device = torch.device(device)
     memo = (device_fingerprint(device), key)
-    if use_cache and memo in _measured:
+    if memo in _measured:
         return _measured[memo]  # (without reading the profile cache's file again)
     cache = ProfileCache(device, enabled=use_cache)
     load = cpu_load() if device.type == "cpu" else None
@@ -111,8 +113,7 @@ def _cached(device: torch.device | str, key: str, measure_now, use_cache: bool) 
         cache.put(key, entry, load)
         cache.save()
     seconds = float(entry["seconds"])
-    if use_cache:
-        _measured[memo] = seconds
+    _measured[memo] = seconds
     return seconds
 
 
