@@ -173,8 +173,15 @@ def sweep_model(
     parsed = [parse_budget(b) for b in budgets]
     sized = [k for k, b in enumerate(parsed) if b != "min"]
     out: list = [None] * len(parsed)
+    kept = lowest_found.recall_plan(problem)  # (as solve_model: `monet_opt.lowest_found`)
+    start = None if kept is None else kept[0]
     found = solver.sweep(
-        problem, [parsed[k] for k in sized], time_limit=time_limit, verbose=verbose, solver=milp_solver
+        problem,
+        [parsed[k] for k in sized],
+        time_limit=time_limit,
+        verbose=verbose,
+        solver=milp_solver,
+        start_plan=start,
     )
     for k, result in zip(sized, found):
         out[k] = result
@@ -182,10 +189,14 @@ def sweep_model(
         if b == "min":
             try:
                 out[k] = solver.minimum_peak(
-                    problem, time_limit=time_limit, verbose=verbose, solver=milp_solver
+                    problem, time_limit=time_limit, verbose=verbose, solver=milp_solver, start_plan=start
                 )
             except ValueError as exc:
                 out[k] = exc
+    for result in out:  # (kept only if below the kept one's peak)
+        found = getattr(result, "lowest", None) if isinstance(result, Exception) else result
+        if found is not None:
+            lowest_found.remember(problem, found)
     return [r if isinstance(r, Exception) else _with_problem_meta(problem, r) for r in out]
 
 

@@ -1474,11 +1474,14 @@ def solve(
     )[0]
 
 
-def sweep(problem, budgets, time_limit: float = 60.0, verbose: bool = True, **kw) -> list:
+def sweep(
+    problem, budgets, time_limit: float = 60.0, verbose: bool = True, start_plan: Plan | None = None, **kw
+) -> list:
     """`solve` for each budget, tightest first, each solve starting from the tighter budget's plan
     (which fits the looser budget too): a looser budget's schedule is never slower than a tighter
-    one's. Returns, in the order given, each budget's Schedule or the error it raised
-    (InfeasibleBudget, NoScheduleFound, or ValueError for a budget that is no budget)."""
+    one's. The tightest starts from `start_plan`, if given (`solve`'s). Returns, in the order
+    given, each budget's Schedule or the error it raised (InfeasibleBudget, NoScheduleFound, or
+    ValueError for a budget that is no budget)."""
     out: list = [None] * len(budgets)
     sizes = {}
     for k, b in enumerate(budgets):
@@ -1487,7 +1490,7 @@ def sweep(problem, budgets, time_limit: float = 60.0, verbose: bool = True, **kw
         except ValueError as exc:  # (a fraction outside (0, 1], say)
             out[k] = exc
     order = sorted(sizes, key=sizes.get)
-    plan = None
+    plan = start_plan
     for k in order:
         try:
             sched, found = _solve(problem, budgets[k], time_limit, verbose, start_plan=plan, **kw)

@@ -60,3 +60,20 @@ def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeyp
     out = solver.solve(problem, peak, time_limit=5, verbose=False, start_plan=plan)
     assert solver.simulate(problem, out).peak_bytes <= peak
     assert out.solver.status.startswith("fallback:")
+
+
+def test_sweeps_keep_and_start_from_it_too(cache, monkeypatch):
+    """`sweep_model` (`monet-opt sweep`) keeps the lowest peak it finds ('min', or what an
+    infeasible budget's search found) and its tightest solve starts from the kept schedule."""
+    from monet_opt.pipeline import sweep_model
+    from solver import milp
+
+    problem = chain(12)
+    below, low = sweep_model(problem, [1000, "min"], time_limit=5, verbose=False)
+    assert isinstance(below, solver.InfeasibleBudget)
+    _, kept_peak = lowest_found.recall(problem)
+    assert kept_peak <= low.predicted_peak_bytes < baselines.min_known_peak(problem)[0]
+    monkeypatch.setattr(milp, "_ladder", lambda *a, **k: milp._LadderResult(None, (None, None), []))
+    (again,) = sweep_model(problem, [kept_peak], time_limit=5, verbose=False)
+    assert not isinstance(again, Exception), again
+    assert solver.simulate(problem, again).peak_bytes <= kept_peak
