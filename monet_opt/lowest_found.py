@@ -44,13 +44,13 @@ def recall(problem: Problem) -> tuple[Schedule, int] | None:
         return None
 
 
-def recall_plan(problem: Problem) -> tuple[Plan, int] | None:
-    """`recall`, as the plan a solve starts from (None if it has none)."""
+def recall_plan(problem: Problem) -> Plan | None:
+    """`recall`'s schedule, as the plan a solve starts from (None if none is kept)."""
     kept = recall(problem)
     if kept is None:
         return None
     try:
-        return plan_of(problem, kept[0]), kept[1]
+        return plan_of(problem, kept[0])
     except (PlanError, KeyError, ValueError):
         return None
 

@@ -107,8 +107,7 @@ def solve_model(
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)
-    kept = lowest_found.recall_plan(problem)
-    start = None if kept is None else kept[0]
+    start = lowest_found.recall_plan(problem)
     try:
         if budget == "min":
             schedule = solver.minimum_peak(
@@ -173,8 +172,7 @@ def sweep_model(
     parsed = [parse_budget(b) for b in budgets]
     sized = [k for k, b in enumerate(parsed) if b != "min"]
     out: list = [None] * len(parsed)
-    kept = lowest_found.recall_plan(problem)  # (as solve_model: `monet_opt.lowest_found`)
-    start = None if kept is None else kept[0]
+    start = lowest_found.recall_plan(problem)  # (as solve_model: `monet_opt.lowest_found`)
     found = solver.sweep(
         problem,
         [parsed[k] for k in sized],

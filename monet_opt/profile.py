@@ -602,10 +602,13 @@ def build_problem(
             kept = sorted({positions[p] for p in entry["kept_input_flat"] if positions[p] is not None})
             in_place = _grad_in_place_position(impl, flat_vals, positions, flat_out)
             writes_into = fwd_in_place if impl.name == "default" else None
-            shared = _grad_shared_positions(fx_node, target, kwargs, in_place, flat_vals, positions, flat_out)
             if in_place is None:  # (a view, an identity: measured handing its gradient on)
                 shared = tuple(
                     sorted({positions[p] for p in entry["grad_passed_flat"] if positions[p] is not None})
+                )
+            else:
+                shared = _grad_shared_positions(
+                    fx_node, target, kwargs, in_place, flat_vals, positions, flat_out
                 )
             impl_rows.append(
                 Impl(

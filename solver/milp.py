@@ -1323,16 +1323,13 @@ def _solve(
         t_peak = time.perf_counter() + 0.75 * (deadline - time.perf_counter())
         # a tight gap: it stops at the first plan under the budget anyway, and a 1 % gap on
         # the peak can stop it just above the budget
-        # from start_plan if its peak is below every baseline's (a plan an earlier search found)
-        lowest = _lowest_plan(problem)
-        if start_peak is not None and (lowest is None or start_peak < min_known_peak(problem)[0]):
-            lowest = start_plan
+        # (from start_plan if its peak is below every baseline's: a plan an earlier search found)
         low = _ladder(
             problem,
             an,
             None,
             window,
-            lowest,
+            _lowest_plan(problem, start_plan, start_peak),
             t_peak,
             0.001,
             threads,
@@ -1529,20 +1526,17 @@ def minimum_peak(
     an = analysis(problem)
     lb = min_feasible_lower_bound(problem)
     check_backend(solver)
-    warm = _lowest_plan(problem)
     start_peak = None
     if start_plan is not None:
         start_peak = simulate(
             problem, to_schedule(an, start_plan, "start", SolverInfo(name="start"))
         ).peak_bytes
-        if warm is None or start_peak < min_known_peak(problem)[0]:
-            warm = start_plan
     low = _ladder(
         problem,
         an,
         None,
         window,
-        warm,
+        _lowest_plan(problem, start_plan, start_peak),
         t_start + 0.5 * time_limit,
         0.001,
         threads,
@@ -1578,15 +1572,19 @@ def minimum_peak(
     return dataclasses.replace(sched, meta={**sched.meta, **meta})
 
 
-def _lowest_plan(problem) -> Plan | None:
-    """The plan of the lowest-peak baseline: the peak MILP's warm start."""
+def _lowest_plan(problem, start_plan: Plan | None = None, start_peak: int | None = None) -> Plan | None:
+    """The peak MILP's warm start: the plan of the lowest-peak baseline, or `start_plan` (of
+    simulated peak `start_peak`, found before) if it peaks lower or the baseline has no plan."""
     from solver.baselines import lowest_peak_baseline, plan_of
     from solver.plan import PlanError
 
+    base = lowest_peak_baseline(problem)
+    if start_plan is not None and start_peak < base.predicted_peak_bytes:
+        return start_plan
     try:
-        return plan_of(problem, lowest_peak_baseline(problem))
+        return plan_of(problem, base)
     except (PlanError, KeyError):  # pragma: no cover - defensive
-        return None
+        return start_plan
 
 
 @dataclass
