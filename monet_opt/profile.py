@@ -480,6 +480,9 @@ def build_problem(
     for p, x in zip(placeholders, example_inputs):
         env[p.name] = x
     op_names = {n.name for n in graph.nodes}
+    # whose output autograd tracked in the traced run: a node reading a gradient-carrying tensor
+    # for its shape only (timm drop_path's `x.new_empty(shape)`, the mask it fills) has none
+    traced_grad = {n.name for n in graph.nodes if n.requires_grad}
     fx_nodes = [n for n in gm.graph.nodes if n.name in op_names]
     output_refs = {
         n.name
@@ -545,7 +548,7 @@ def build_problem(
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         is_tensor = bool(flat_out)
         float_out = any(t.is_floating_point() or t.is_complex() for t in flat_out)
-        if float_out and (grad_positions or params):
+        if float_out and (grad_positions or params) and fx_node.name in traced_grad:
             requires_grad.add(fx_node.name)
         for p in params:
             param_owner[id(p)] = fx_node.name  # the last user in topo order runs backward first

@@ -67,12 +67,17 @@ def test_a_change_made_by_a_statement_is_read_by_later_nodes():
     assert out.args[0] is by_name["mul_"]
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["shared graphs", "one graph per node"])
 @pytest.mark.parametrize("how", ["no_recompute", "checkpoint_all", "solved"])
-def test_stochastic_depth_gives_plain_gradients(how):
+def test_stochastic_depth_gives_plain_gradients(how, separate):
     torch.manual_seed(0)
     model = StochasticDepthNet().train()
     x = torch.randn(16, 32)
     problem = build_problem(model, (x,), progress=False, repeats=1)
+    # the mask reads the block's output for its shape only: no gradient reaches it (a backward
+    # stage for it fed, with one graph per node, a gradient to the shape-only `new_empty`)
+    no_grad = {n.name.rstrip("_0123456789") for n in problem.nodes if not n.requires_backward}
+    assert {"new_empty", "bernoulli", "div"} <= no_grad, sorted(no_grad)
     if how == "solved":
         _, schedule = solve_model(
             model, (x,), budget_at(problem, 0.0), time_limit=10, verbose=False, problem=problem
@@ -84,6 +89,8 @@ def test_stochastic_depth_gives_plain_gradients(how):
         # the masks are drawn again in the backward: the runtime replays the forward's RNG
         assert {"bernoulli_", "div_", "setitem"} <= recomputed, sorted(recomputed)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    if separate:  # as `measure_stage_peaks` and calibration run it
+        wrapped.executor.separate_graphs()
     torch.manual_seed(3)
     expected = model(x)
     torch.manual_seed(3)
