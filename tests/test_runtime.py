@@ -503,6 +503,19 @@ def test_group_forwards_run_as_generated_functions(name, strategy, monkeypatch):
     # (sqrt(n)'s forward computes the same nodes without autograd, outside any group)
     inside = {s.node for seg in built for s in schedule.stages[seg.stage].steps[seg.start : seg.end]}
     assert len(computed) < first and not {n for n, grad in computed if grad} & inside
+    # every ReLU / add decided in place runs in place in its generated function, recomputed ones
+    # too (they were once run by the RNG-replaying runner, out of place: VGG11-BN 0.26 MB over
+    # its prediction, over budget)
+    (decisions,) = ex.reuse_decisions.values()
+    for seg in built:
+        decided = [decisions.get((seg.stage, k)) for k in range(seg.start, seg.end)]
+        targets = [n.target.__name__ for n in seg.module.graph.nodes if n.op == "call_function"]
+        for kind in ("relu", "add"):
+            assert targets.count(f"_{kind}_") == decided.count(kind), (seg.stage, kind)
+    if strategy == "chen_sqrt" and name != "gpt":
+        assert any(
+            decisions.get((seg.stage, k)) for seg in built if seg.stage > 0 for k in range(seg.start, seg.end)
+        )
     monkeypatch.setattr(ex, "compute", real)
     check_schedule(name, schedule)
     monkeypatch.setattr(executor, "_SEGMENTS", False)  # the interpreter alone: the same gradients
