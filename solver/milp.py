@@ -130,10 +130,16 @@ class _Model:
     def row(self, cols: list[int], coefs: list[float], lo: float, hi: float) -> int:
         """Add a row; repeated columns are merged, and a row equal to an earlier one (or empty) is
         dropped (shared far-node columns make many carry rows read x <= x)."""
-        merged: dict[int, float] = {}
-        for c, v in zip(cols, coefs):
-            merged[c] = merged.get(c, 0.0) + v
-        items = tuple(sorted((c, v) for c, v in merged.items() if v != 0.0))
+        if len(set(cols)) == len(cols):  # (most rows: no column twice)
+            pairs = zip(cols, coefs)
+        else:
+            merged: dict[int, float] = {}
+            for c, v in zip(cols, coefs):
+                merged[c] = merged.get(c, 0.0) + v
+            pairs = merged.items()
+        items = tuple(sorted(pairs))
+        if 0.0 in coefs or len(items) != len(cols):
+            items = tuple(cv for cv in items if cv[1] != 0.0)
         if not items:
             if lo > 0.0 or hi < 0.0:
                 raise ValueError(f"empty row {self.tag} with bounds [{lo}, {hi}] cannot hold")
@@ -144,9 +150,10 @@ class _Model:
             return known
         r = len(self.r_lo)
         self._seen[key] = r
-        self.r_idx.extend([r] * len(items))
-        self.c_idx.extend(c for c, _ in items)
-        self.vals.extend(v for _, v in items)
+        cs, vs = zip(*items)
+        self.r_idx.extend([r] * len(cs))
+        self.c_idx.extend(cs)
+        self.vals.extend(vs)
         self.r_lo.append(lo)
         self.r_hi.append(hi)
         self.r_tag.append(self.tag)
