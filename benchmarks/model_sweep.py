@@ -1,7 +1,7 @@
 """timm and Hugging Face model families through the whole pipeline: trace, profile, solve, one
 wrapped training step.
 
-    python benchmarks/model_sweep.py [--family timm|hf] [--out DIR] [--only NAME ...]
+    python benchmarks/model_sweep.py [--family timm|hf|torchvision] [--out DIR] [--only NAME ...]
 
 Each model (random weights; timm: batch 2, 64x64 unless the model fixes its input size; Hugging
 Face: a tiny configuration, 2 layers of width 64, token ids of batch 8 x 64, logits out) runs in a
@@ -11,8 +11,9 @@ process of its own (a crash or a hang is one row, not the sweep): traced, profil
 way the tests check (`tests.test_transformers_timm._check`): the same gradients (rtol 1e-5,
 atol 1e-5 of the largest gradient, at least 1e-6), twice (recorded, then replayed), the measured
 peak inside the budget and within 5 % of the prediction. `bitwise` rows offer only implementations
-whose gradients are torch's bit for bit. Writes DIR/model_sweep.md (timm) or
-DIR/model_sweep_hf.md.
+whose gradients are torch's bit for bit. torchvision: one or two classification models per family,
+batch 2, 64x64 where the model takes it, 0.4 of the way. Writes DIR/model_sweep.md (timm),
+DIR/model_sweep_hf.md or DIR/model_sweep_tv.md.
 """
 
 from __future__ import annotations
@@ -62,6 +63,30 @@ MODELS = [
     ("resmlp_12_224", 224, {}, False),
     ("convnext_atto", 64, {"drop_path_rate": 0.2}, False),
     ("vit_tiny_patch16_224", 32, {"drop_path_rate": 0.2, "img_size": 32, "patch_size": 8}, False),
+]
+
+# torchvision classification models, one or two per family: (name, image size, keyword arguments)
+TV_MODELS = [
+    ("alexnet", 64, {}),
+    ("vgg11_bn", 64, {}),
+    ("resnext50_32x4d", 64, {}),
+    ("wide_resnet50_2", 64, {}),
+    ("densenet121", 64, {}),
+    ("squeezenet1_1", 64, {}),
+    ("shufflenet_v2_x1_0", 64, {}),
+    ("mobilenet_v3_small", 64, {}),
+    ("mnasnet0_5", 64, {}),
+    ("efficientnet_b0", 64, {}),
+    ("efficientnet_v2_s", 64, {}),
+    ("regnet_y_400mf", 64, {}),
+    ("regnet_x_400mf", 64, {}),
+    ("convnext_tiny", 64, {"stochastic_depth_prob": 0.2}),
+    ("swin_t", 64, {}),
+    ("swin_v2_t", 64, {}),
+    ("maxvit_t", 224, {}),
+    ("vit_b_16", 32, {"image_size": 32}),
+    ("googlenet", 64, {"aux_logits": True, "init_weights": False}),  # train(): a namedtuple out
+    ("inception_v3", 96, {"aux_logits": False, "init_weights": False}),
 ]
 
 # Hugging Face: (name, config class, model class, config keyword arguments); vocabulary 256
@@ -136,6 +161,16 @@ x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
 T._check(model, x, 0.5, name, input_shape=tuple(x.shape))
 """
 
+ONE_TV = """
+import sys, torch, torchvision
+import tests.test_transformers_timm as T
+name, size, kw = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
+torch.manual_seed(0)
+model = torchvision.models.get_model(name, weights=None, num_classes=10, **kw).train()
+x = torch.randn(2, 3, size, size)
+T._check(model, x, 0.4, name, example_inputs=(x,))
+"""
+
 ONE = """
 import functools, sys, torch, timm
 import tests.test_transformers_timm as T
@@ -165,7 +200,7 @@ def run_one(argv: list[str], timeout: float) -> tuple[str, float, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=["timm", "hf"], default="timm")
+    ap.add_argument("--family", choices=["timm", "hf", "torchvision"], default="timm")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
@@ -174,6 +209,10 @@ def main(argv=None) -> int:
         runs = [
             (name, str(size), [ONE, name, str(size), repr(kw), "1" if bitwise else "0"], kw, bitwise)
             for name, size, kw, bitwise in MODELS
+        ]
+    elif args.family == "torchvision":
+        runs = [
+            (name, str(size), [ONE_TV, name, str(size), repr(kw)], kw, False) for name, size, kw in TV_MODELS
         ]
     else:
         runs = [
@@ -191,16 +230,18 @@ def main(argv=None) -> int:
             f"| {name} | {size} | {options} | {status} | {seconds:.0f} | {detail.replace('|', '/')} |"
         )
     passed = sum(1 for r in rows if "| ok |" in r)
+    title = {"timm": "timm", "hf": "Hugging Face", "torchvision": "torchvision"}[args.family]
+    images = args.family != "hf"
     text = "\n".join(
         [
-            f"### {'timm' if args.family == 'timm' else 'Hugging Face'} models through the pipeline ({started})",
+            f"### {title} models through the pipeline ({started})",
             "",
             f"`python benchmarks/model_sweep.py --family {args.family}"
             f"{' --only ' + ' '.join(args.only) if args.only else ''}`: {passed} of {len(rows)} rows pass "
-            f"(10-s solves at {0.4 if args.family == 'timm' else 0.5} of the way from the lowest feasible "
+            f"(10-s solves at {0.4 if images else 0.5} of the way from the lowest feasible "
             "peak to plain's; gradients, budget and prediction checked as the tests do).",
             "",
-            f"| model | {'image' if args.family == 'timm' else 'tokens'} | options | result | s | what failed |",
+            f"| model | {'image' if images else 'tokens'} | options | result | s | what failed |",
             "|---|---:|---|---|---:|---|",
             *rows,
             "",
@@ -208,7 +249,12 @@ def main(argv=None) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / ("model_sweep.md" if args.family == "timm" else "model_sweep_hf.md")
+    path = (
+        out
+        / {"timm": "model_sweep.md", "hf": "model_sweep_hf.md", "torchvision": "model_sweep_tv.md"}[
+            args.family
+        ]
+    )
     atomic_write_text(path, text)
     print(f"wrote {path}")
     return 0 if passed == len(rows) else 1
