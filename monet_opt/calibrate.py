@@ -33,6 +33,7 @@ from monet_opt.malloc import freed_memory_kept
 from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
 from monet_opt.restore import consumer_of
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
+from monet_opt.train_modes import restore_training_modes, training_for_profile, training_modes
 from solver.problem import Problem
 
 MIN_SCALE, MAX_SCALE = 0.25, 50.0
@@ -50,6 +51,8 @@ class _StepTimer:
         if impl is not None:
             pick = {n.name: impl for n in problem.nodes if any(im.name == impl for im in n.impls)}
         self.model = model
+        training_for_profile(model)
+        self.modes = training_modes(model)  # what each step runs in (the caller restores the user's)
         self.inputs = example_inputs
         schedule = no_recompute(problem, impls=pick)
         # timed without an optimizer step in the backward (it would change the model's weights)
@@ -64,7 +67,7 @@ class _StepTimer:
         from monet_opt.bench import training_step
 
         self.timer.recording = record
-        self.model.train()
+        restore_training_modes(self.model, self.modes)
         self.model.zero_grad(set_to_none=True)
         training_step(self.wrapped, self.inputs)
 
@@ -174,7 +177,8 @@ def calibrate_on_schedule(
         optimizer = problem.meta.get("step_in_backward", {}).get("optimizer")
     saved = _save_model_state(model)
     try:
-        runner = copy.deepcopy(model).train()
+        runner = copy.deepcopy(model)
+        training_for_profile(runner)
         wrapped = MonetWrapper(runner, schedule, example_inputs=example_inputs, optimizer=optimizer)
         wrapped.executor.separate_graphs()  # each backward step times its own node
         timer = NodeTimer(wrapped.executor, example_inputs)
@@ -270,7 +274,7 @@ def _save_model_state(model: nn.Module) -> dict[str, Any]:
         "cuda_rng": torch.cuda.get_rng_state_all()
         if torch.cuda.is_available() and torch.cuda.is_initialized()
         else None,
-        "training": model.training,
+        "training": training_modes(model),
     }
 
 
@@ -283,4 +287,4 @@ def _restore_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
     torch.set_rng_state(saved["rng"])
     if saved["cuda_rng"] is not None:
         torch.cuda.set_rng_state_all(saved["cuda_rng"])
-    model.train(saved["training"])
+    restore_training_modes(model, saved["training"])

@@ -844,7 +844,8 @@ def trace(
         gm, auto_leaves = _leaf_root(model, len(inputs)), []
     else:
         gm, auto_leaves = _symbolic_trace(model, inputs, leaf_paths, leaf_types, leaf_fallback)
-    gm.train(model.training)
+    # (not gm.train(): that would set every submodule, which gm shares with the model, to one mode)
+    gm.training = model.training
     # later readers of an in-place change read the changing node (the runtime runs out of place)
     functionalize(gm)
 

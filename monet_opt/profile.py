@@ -57,6 +57,7 @@ from monet_opt.step_in_backward import (
     steps_by_chunks,
 )
 from monet_opt.storage import spans_storage, storage_key
+from monet_opt.train_modes import restore_training_modes, training_for_profile
 from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
@@ -468,8 +469,7 @@ def build_problem(
     device = torch.device(device)
     model = model.to(device)
     example_inputs = tuple(x.to(device) for x in example_inputs)
-    was_training = model.training
-    model.train()
+    modes = training_for_profile(model)  # (a frozen BatchNorm in eval mode stays so)
     graph = graph or trace(model, example_inputs)
     gm = graph.gm
     cache = ProfileCache(device, enabled=use_cache)
@@ -667,7 +667,7 @@ def build_problem(
             stacklevel=2,
         )
     env.clear()
-    model.train(was_training)
+    restore_training_modes(model, modes)
 
     # a node runs backward if it needs a gradient and its output reaches a model output
     reaches = set(output_refs)
