@@ -1106,3 +1106,30 @@ def test_bitwise_problems_offer_only_bitwise_implementations_and_train_bit_for_b
         assert got.keys() == expected.keys() and got
         for name in got:
             assert torch.equal(got[name], expected[name]), name
+
+
+class _NoneInOutputs(nn.Module):
+    """Outputs with leaves that are not tensors (an absent loss, a step count), as model
+    outputs often carry; the block runs under torch.utils.checkpoint, which the trace sees through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.b = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, x):
+        x = x + torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        return {"logits": x + self.b(x), "loss": None, "steps": 2}, None
+
+
+@pytest.mark.parametrize("strategy", ["no_recompute", "checkpoint_all"])
+def test_outputs_that_are_not_tensors_pass_through(strategy):
+    torch.manual_seed(0)
+    model = _NoneInOutputs().train()
+    x = torch.randn(64, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, getattr(baselines, strategy)(problem), example_inputs=(x,))
+    out, extra = wrapped(x)
+    assert extra is None and out["loss"] is None and out["steps"] == 2
+    torch.testing.assert_close(out["logits"], model(x)[0]["logits"], rtol=0, atol=0)
+    assert_same_gradients(model, wrapped, x, f"None outputs, {strategy}")

@@ -37,7 +37,8 @@ class _ScheduledStep(torch.autograd.Function):
         ctx.run = run
         ctx.autocast = autocast
         box.spec = spec
-        return tuple(t.detach() for t in flat)
+        # (an output that is not a tensor, `(logits, None)`, passes through and gets no gradient)
+        return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in flat)
 
     @staticmethod
     def backward(ctx, *grads):
