@@ -12,7 +12,7 @@ way the tests check (`tests.test_transformers_timm._check`): the same gradients 
 atol 1e-5 of the largest gradient, at least 1e-6), twice (recorded, then replayed), the measured
 peak inside the budget and within 5 % of the prediction. `bitwise` rows offer only implementations
 whose gradients are torch's bit for bit. torchvision: one or two classification models per family,
-batch 2, 64x64 where the model takes it, 0.4 of the way. Writes DIR/model_sweep.md (timm),
+batch 2, 64x64 where the model takes it, three segmentation and two video models, 0.4 of the way. Writes DIR/model_sweep.md (timm),
 DIR/model_sweep_hf.md or DIR/model_sweep_tv.md.
 """
 
@@ -67,26 +67,32 @@ MODELS = [
 
 # torchvision classification models, one or two per family: (name, image size, keyword arguments)
 TV_MODELS = [
-    ("alexnet", 64, {}),
-    ("vgg11_bn", 64, {}),
-    ("resnext50_32x4d", 64, {}),
-    ("wide_resnet50_2", 64, {}),
-    ("densenet121", 64, {}),
-    ("squeezenet1_1", 64, {}),
-    ("shufflenet_v2_x1_0", 64, {}),
-    ("mobilenet_v3_small", 64, {}),
-    ("mnasnet0_5", 64, {}),
-    ("efficientnet_b0", 64, {}),
-    ("efficientnet_v2_s", 64, {}),
-    ("regnet_y_400mf", 64, {}),
-    ("regnet_x_400mf", 64, {}),
-    ("convnext_tiny", 64, {"stochastic_depth_prob": 0.2}),
-    ("swin_t", 64, {}),
-    ("swin_v2_t", 64, {}),
-    ("maxvit_t", 224, {}),
-    ("vit_b_16", 32, {"image_size": 32}),
-    ("googlenet", 64, {"aux_logits": True, "init_weights": False}),  # train(): a namedtuple out
-    ("inception_v3", 96, {"aux_logits": False, "init_weights": False}),
+    ("alexnet", (2, 3, 64, 64), {}),
+    ("vgg11_bn", (2, 3, 64, 64), {}),
+    ("resnext50_32x4d", (2, 3, 64, 64), {}),
+    ("wide_resnet50_2", (2, 3, 64, 64), {}),
+    ("densenet121", (2, 3, 64, 64), {}),
+    ("squeezenet1_1", (2, 3, 64, 64), {}),
+    ("shufflenet_v2_x1_0", (2, 3, 64, 64), {}),
+    ("mobilenet_v3_small", (2, 3, 64, 64), {}),
+    ("mnasnet0_5", (2, 3, 64, 64), {}),
+    ("efficientnet_b0", (2, 3, 64, 64), {}),
+    ("efficientnet_v2_s", (2, 3, 64, 64), {}),
+    ("regnet_y_400mf", (2, 3, 64, 64), {}),
+    ("regnet_x_400mf", (2, 3, 64, 64), {}),
+    ("convnext_tiny", (2, 3, 64, 64), {"stochastic_depth_prob": 0.2}),
+    ("swin_t", (2, 3, 64, 64), {}),
+    ("swin_v2_t", (2, 3, 64, 64), {}),
+    ("maxvit_t", (2, 3, 224, 224), {}),
+    ("vit_b_16", (2, 3, 32, 32), {"image_size": 32}),
+    ("googlenet", (2, 3, 64, 64), {"aux_logits": True, "init_weights": False}),  # train(): a namedtuple out
+    ("inception_v3", (2, 3, 96, 96), {"aux_logits": False, "init_weights": False}),
+    # segmentation (a dict out) and video (5-d input)
+    ("lraspp_mobilenet_v3_large", (2, 3, 64, 64), {"weights_backbone": None}),
+    ("deeplabv3_mobilenet_v3_large", (2, 3, 64, 64), {"weights_backbone": None}),
+    ("fcn_resnet50", (2, 3, 64, 64), {"weights_backbone": None}),
+    ("r3d_18", (2, 3, 8, 32, 32), {}),
+    ("r2plus1d_18", (2, 3, 8, 32, 32), {}),
 ]
 
 # Hugging Face: (name, config class, model class, config keyword arguments); vocabulary 256
@@ -164,10 +170,10 @@ T._check(model, x, 0.5, name, input_shape=tuple(x.shape))
 ONE_TV = """
 import sys, torch, torchvision
 import tests.test_transformers_timm as T
-name, size, kw = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
+name, shape, kw = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3])
 torch.manual_seed(0)
 model = torchvision.models.get_model(name, weights=None, num_classes=10, **kw).train()
-x = torch.randn(2, 3, size, size)
+x = torch.randn(*shape)
 T._check(model, x, 0.4, name, example_inputs=(x,))
 """
 
@@ -212,7 +218,8 @@ def main(argv=None) -> int:
         ]
     elif args.family == "torchvision":
         runs = [
-            (name, str(size), [ONE_TV, name, str(size), repr(kw)], kw, False) for name, size, kw in TV_MODELS
+            (name, "x".join(map(str, shape)), [ONE_TV, name, repr(shape), repr(kw)], kw, False)
+            for name, shape, kw in TV_MODELS
         ]
     else:
         runs = [
@@ -232,6 +239,7 @@ def main(argv=None) -> int:
     passed = sum(1 for r in rows if "| ok |" in r)
     title = {"timm": "timm", "hf": "Hugging Face", "torchvision": "torchvision"}[args.family]
     images = args.family != "hf"
+    column = {"timm": "image", "hf": "tokens", "torchvision": "input"}[args.family]
     text = "\n".join(
         [
             f"### {title} models through the pipeline ({started})",
@@ -241,7 +249,7 @@ def main(argv=None) -> int:
             f"(10-s solves at {0.4 if images else 0.5} of the way from the lowest feasible "
             "peak to plain's; gradients, budget and prediction checked as the tests do).",
             "",
-            f"| model | {'image' if images else 'tokens'} | options | result | s | what failed |",
+            f"| model | {column} | options | result | s | what failed |",
             "|---|---:|---|---|---:|---|",
             *rows,
             "",
