@@ -1133,3 +1133,42 @@ def test_outputs_that_are_not_tensors_pass_through(strategy):
     assert extra is None and out["loss"] is None and out["steps"] == 2
     torch.testing.assert_close(out["logits"], model(x)[0]["logits"], rtol=0, atol=0)
     assert_same_gradients(model, wrapped, x, f"None outputs, {strategy}")
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x, mask, scale: float = 2.0):
+        return (self.lin(x) * mask).relu() * scale
+
+
+def test_inputs_by_keyword_map_to_the_traced_inputs():
+    """wrapped(x, mask=m) and wrapped(x=x, mask=m) run the schedule as wrapped(x, m); an input the
+    trace does not take, one given twice, or one missing is refused by name."""
+    torch.manual_seed(0)
+    model = _TwoInputs().train()
+    x, m = torch.randn(16, 32), (torch.rand(16, 32) > 0.5).float()
+    problem = build_problem(model, (x, m), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x, m))
+    expected = model(x, m)
+    for got in (wrapped(x, m), wrapped(x, mask=m), wrapped(mask=m, x=x)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        loss_of(got).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    zero_grad(model)
+    for _ in range(3):
+        loss_of(model(x, m)).backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    zero_grad(model)
+    with pytest.raises(TypeError, match="'scale', which the traced forward does not take"):
+        wrapped(x, mask=m, scale=3.0)
+    with pytest.raises(TypeError, match="'x' given both"):
+        wrapped(x, x=x, mask=m)
+    with pytest.raises(TypeError, match="needs input 'mask'"):
+        wrapped(x=x)
+    wrapped.eval()  # eval runs the model itself, keywords and defaults included
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x, mask=m, scale=3.0), model(x, m, 3.0))

@@ -200,11 +200,13 @@ class MonetWrapper(nn.Module):
             )
             self.executor.step_in_backward(self.steps.step)
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **named: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             # the model itself, not the traced graph: a trace fixes what Python read while it ran
             # (`self.training`, so a functional dropout's p; with concrete shapes, the shapes)
-            return self.model(*inputs)
+            return self.model(*inputs, **named)
+        if named:
+            inputs = self._positional(inputs, named)
         shapes = [tuple(x.shape) for x in inputs]
         if shapes != self.input_shapes:
             raise InputShapeMismatch(
@@ -225,6 +227,26 @@ class MonetWrapper(nn.Module):
             self.executor, box, _autocast_state(device_type), len(inputs), *inputs, *params
         )
         return tree_unflatten(list(flat), box.spec)
+
+    def _positional(self, inputs: tuple, named: dict[str, Any]) -> tuple:
+        """Inputs given by keyword, in the traced model's order (its forward's argument names)."""
+        names = [str(p.target) for p in self.executor.placeholders]
+        unknown = [k for k in named if k not in names]
+        if unknown:
+            raise TypeError(
+                f"monet-opt: the wrapped model got input {unknown[0]!r}, which the traced forward does "
+                f"not take: its inputs are {names} (an argument left at its default when the schedule "
+                "was solved stays so; solve with it given to pass it)"
+            )
+        twice = [k for k in named if k in names[: len(inputs)]]
+        if twice:
+            raise TypeError(f"monet-opt: input {twice[0]!r} given both by position and by keyword")
+        missing = [n for n in names[len(inputs) :] if n not in named]
+        if missing:
+            raise TypeError(
+                f"monet-opt: the wrapped model needs input {missing[0]!r} (its inputs are {names})"
+            )
+        return (*inputs, *(named[n] for n in names[len(inputs) :]))
 
 
 def _what_differs(schedule: Schedule, example_inputs: tuple, made_up: bool) -> str:
