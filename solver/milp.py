@@ -1474,7 +1474,7 @@ def _fastest_if_it_fits(problem, an, budget_bytes: int, name: str, t_start: floa
     """(schedule, plan) of no recomputation with every node's fastest implementation, if it fits
     the budget and its time is the trivial bound (no schedule is faster: optimal without a
     search); else None. Generous budgets are answered at once (resnet18 at its no-recompute
-    peak: 7.7 s of baselines and MILP before)."""
+    peak: 6.3 s of baselines and MILP before, 1.0 s now)."""
     from solver.baselines import no_recompute, plan_of
     from solver.schedule import SolverInfo
     from solver.simulate import simulate
