@@ -21,8 +21,10 @@ MiB = 2**20
 _LOSS_WEIGHTS: dict[tuple, torch.Tensor] = {}
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """A loss for any model output: a fixed random weighting of every floating tensor, summed.
+def loss_of(output: Any, positions: list[int] | None = None) -> torch.Tensor:
+    """A loss for any model output: a fixed random weighting of every floating tensor, summed
+    (of those at `positions` among the output's tensors, flattened, if given: a model that
+    returns its loss is trained on it).
 
     The weights are made once per shape and kept, so they are not allocated inside
     a measured step; the loss's only step-time allocation is the output's gradient.
@@ -30,7 +32,9 @@ def loss_of(output: Any) -> torch.Tensor:
     from torch.utils._pytree import tree_flatten
 
     total = None
-    for t in tree_flatten(output)[0]:
+    for k, t in enumerate(tree_flatten(output)[0]):
+        if positions is not None and k not in positions:
+            continue
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
             continue
         key = (tuple(t.shape), t.dtype, t.device)
@@ -55,7 +59,8 @@ def training_step(model: nn.Module, inputs: tuple) -> None:
     The output is held through the backward, as in `out = model(x); loss_fn(out, y).backward()`
     (the memory model counts outputs as held by the user until the step ends)."""
     out = model(*inputs)
-    loss_of(out).backward()
+    # (a wrapper or keyword root whose model returns its loss: that output alone)
+    loss_of(out, getattr(model, "grad_outputs", None)).backward()
     del out
 
 

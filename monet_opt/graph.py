@@ -41,6 +41,7 @@ from torch.fx.node import _get_qualified_name
 
 from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
+from monet_opt.keyword_inputs import as_traceable
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -428,9 +429,11 @@ def _fix_hint(exc: BaseException, path: str | None) -> str:
         # a forward taking **kwargs, or returning a cache object (Hugging Face models)
         return (
             "The root forward takes **kwargs or returns objects that are not tensors (a Hugging Face "
-            "model returns a ModelOutput with a cache). Fix: wrap the model in a module whose "
-            "forward takes the input tensors and returns tensors, e.g. "
-            "`return self.model(input_ids=ids, use_cache=False).logits` (or the loss)."
+            "model returns a ModelOutput with a cache). Fix: give the example inputs by keyword, "
+            "`{'input_ids': ids, 'labels': ids, 'use_cache': False}` (the model is then trained on "
+            "the loss it returns), or wrap the model in a module whose forward takes the input "
+            "tensors and returns tensors, e.g. `return self.model(input_ids=ids, use_cache=False).logits` "
+            "(or the loss)."
         )
     if "cannot be used as inputs to control flow" in msg:
         hint = (
@@ -823,7 +826,8 @@ def trace(
     rtol: float = 1e-4,
     atol: float = 1e-5,
 ) -> OpGraph:
-    """Trace `model` on `example_inputs` into an `OpGraph`.
+    """Trace `model` on `example_inputs` (a tensor, a tuple of them, or a dict by keyword) into
+    an `OpGraph`.
 
     leaf_modules: extra module paths ('encoder.layers.0') or classes kept as one node.
     leaf_fallback: when a submodule cannot be traced, keep it as a leaf (with a
@@ -836,7 +840,10 @@ def trace(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, not {type(model).__name__}")
-    inputs = _as_tuple(example_inputs)
+    # inputs by keyword ({'input_ids': ids, 'use_cache': False}): traced through a root taking
+    # them positionally, under their names (`monet_opt.keyword_inputs`)
+    model, inputs = as_traceable(model, example_inputs)
+    inputs = _as_tuple(inputs)
     leaf_paths = {m for m in leaf_modules if isinstance(m, str)}
     leaf_types = KNOWN_LEAF_TYPES + tuple(m for m in leaf_modules if isinstance(m, type))
 

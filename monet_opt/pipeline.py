@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 
 import solver
 from monet_opt import lowest_found
+from monet_opt.keyword_inputs import as_traceable
 from monet_opt.profile import build_problem
 from solver.baselines import plan_of
 from solver.problem import Problem
@@ -83,19 +83,24 @@ def solve_model(
     bitwise: bool = False,
     refine: int = 0,
     milp_solver: str = "highs",
+    grad_outputs: str = "auto",
 ) -> tuple[Problem, Schedule]:
-    """Profile `model` on this device (cached) and solve for `budget`. optimizer: solve for its
+    """Profile `model` on this device (cached) and solve for `budget`. example_inputs: a tensor,
+    a tuple of them, or a dict by keyword (`{'input_ids': ids, 'labels': ids, 'use_cache': False}`
+    for a Hugging Face model: `monet_opt.keyword_inputs`). optimizer: solve for its
     step inside the backward (see `build_problem`; run with `MonetWrapper(..., optimizer=)`).
     zero_pack: also offer convolutions that keep their ReLU input packed (see `build_problem`).
     bitwise: offer only implementations whose gradients are bit for bit torch's (see `build_problem`).
     refine: that many rounds of running the schedule found, correcting the problem's times by
     what its nodes took there (`monet_opt.calibrate.calibrate_on_schedule`) and solving again from
     it (`time_limit` each); the problem returned is the last corrected one.
-    milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`)."""
+    milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`).
+    grad_outputs: which outputs the loss reads ("auto": a returned loss alone; see `build_problem`)."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     budget = parse_budget(budget)  # so does a bad budget
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    # (inputs by keyword, {'input_ids': ids, 'labels': ids, 'use_cache': False}: the model is
+    # traced, profiled and refined through a root taking them positionally)
+    model, example_inputs = as_traceable(model, example_inputs)
     problem = problem or build_problem(
         model,
         example_inputs,
@@ -104,6 +109,7 @@ def solve_model(
         optimizer=optimizer,
         zero_pack=zero_pack,
         bitwise=bitwise,
+        grad_outputs=grad_outputs,
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)

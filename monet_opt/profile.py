@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from monet_opt.graph import OpGraph, trace
+from monet_opt.keyword_inputs import KeywordRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for, shares_gradient
 from monet_opt.ops.base import Implementation
@@ -437,6 +438,7 @@ def build_problem(
     zero_pack: bool = False,
     bitwise: bool = False,
     recompute_overhead: float | None = None,
+    grad_outputs: str = "auto",
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -460,16 +462,64 @@ def build_problem(
     (`Implementation.bitwise`); by default those within float rounding are offered too.
 
     recompute_overhead: the problem's `recompute_overhead_s`, the runtime's own seconds per
-    recomputation; None: measured on the device once and cached (`monet_opt.runtime_cost`)."""
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
+    recomputation; None: measured on the device once and cached (`monet_opt.runtime_cost`).
+
+    grad_outputs: which outputs the training loss reads. "auto": a model given its inputs by
+    keyword that returns a loss (a Hugging Face model given `labels=`: a ModelOutput with `loss`)
+    is trained on that loss alone, and its other outputs (the logits) get no gradient; any other
+    model, every output. "all": every output. The wrapper refuses a gradient on an output the
+    schedule gave none."""
+    if grad_outputs not in ("auto", "all"):
+        raise ValueError(f"grad_outputs must be 'auto' or 'all', not {grad_outputs!r}")
+    # (inputs by keyword, {'input_ids': ids, 'use_cache': False}: `monet_opt.keyword_inputs`)
+    model, example_inputs = as_traceable(model, example_inputs)
     if device is None:
         device = next((p.device for p in model.parameters()), example_inputs[0].device)
     device = torch.device(device)
     model = model.to(device)
     example_inputs = tuple(x.to(device) for x in example_inputs)
     modes = training_for_profile(model)  # (a frozen BatchNorm in eval mode stays so)
+    try:
+        return _build_problem(
+            model,
+            example_inputs,
+            device,
+            modes,
+            repeats=repeats,
+            use_cache=use_cache,
+            progress=progress,
+            graph=graph,
+            meta=meta,
+            calibrate=calibrate,
+            optimizer=optimizer,
+            zero_pack=zero_pack,
+            bitwise=bitwise,
+            recompute_overhead=recompute_overhead,
+            grad_outputs=grad_outputs,
+        )
+    finally:  # (also when profiling fails midway: the model leaves in the modes it came in)
+        restore_training_modes(model, modes)
+
+
+def _build_problem(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    device: torch.device,
+    modes: Any,
+    repeats: int,
+    use_cache: bool,
+    progress: bool,
+    graph: OpGraph | None,
+    meta: dict | None,
+    calibrate: bool,
+    optimizer: Any,
+    zero_pack: bool,
+    bitwise: bool,
+    recompute_overhead: float | None,
+    grad_outputs: str,
+) -> Problem:
+    """`build_problem`'s work, on a model in training mode for profiling (`modes`: the modes it
+    came in, restored before calibration)."""
     graph = graph or trace(model, example_inputs)
     gm = graph.gm
     cache = ProfileCache(device, enabled=use_cache)
@@ -484,11 +534,15 @@ def build_problem(
     # for its shape only (timm drop_path's `x.new_empty(shape)`, the mask it fills) has none
     traced_grad = {n.name for n in graph.nodes if n.requires_grad}
     fx_nodes = [n for n in gm.graph.nodes if n.name in op_names]
-    output_refs = {
-        n.name
-        for n in tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
-        if isinstance(n, fx.Node)
-    }
+    flat_outputs = tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
+    output_refs = {n.name for n in flat_outputs if isinstance(n, fx.Node)}
+    # the outputs the user's loss reads (`grad_output_positions`): the others get no gradient
+    loss_outputs = grad_output_positions(model, grad_outputs)
+    grad_refs = (
+        output_refs
+        if loss_outputs is None
+        else {n.name for k, n in enumerate(flat_outputs) if k in loss_outputs and isinstance(n, fx.Node)}
+    )
     remaining_users = {n.name: len(n.users) for n in gm.graph.nodes}
     # every isolated backward time includes one autograd engine call, which a training step's
     # shared graph pays once for all its nodes: subtracted from each (the same from every
@@ -649,6 +703,7 @@ def build_problem(
                 else 0,
                 "alias_of": alias_of,
                 "is_output": fx_node.name in output_refs,
+                "output_grad": fx_node.name in grad_refs or fx_node.name not in output_refs,
             }
         )
         env[fx_node.name] = out
@@ -669,8 +724,8 @@ def build_problem(
     env.clear()
     restore_training_modes(model, modes)
 
-    # a node runs backward if it needs a gradient and its output reaches a model output
-    reaches = set(output_refs)
+    # a node runs backward if it needs a gradient and its output reaches an output the loss reads
+    reaches = set(grad_refs)
     for row in reversed(rows):
         if row["name"] in reaches:
             reaches.update(row["inputs"])
@@ -720,6 +775,14 @@ def build_problem(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_shapes": [list(x.shape) for x in example_inputs],
         "input_dtypes": [str(x.dtype).removeprefix("torch.") for x in example_inputs],
+        # inputs by keyword: their names, and the constants given with them
+        **(
+            {"input_names": list(model.names), "input_constants": model.constants}
+            if isinstance(model, KeywordRoot)
+            else {}
+        ),
+        # the flat output positions the loss reads (absent: every output; the wrapper checks it)
+        **({"grad_outputs": loss_outputs} if loss_outputs is not None else {}),
         "profile_seconds": round(time.perf_counter() - started, 2),
         "profile_cache_hits": hits,
         # measurements taken on a busy CPU (now, or served from the cache while still busy)

@@ -103,7 +103,7 @@ class Analysis:
         nodes = self.problem.nodes
         grads = _GradBuffers()
         for i in self.outputs:
-            if self.rb[i]:
+            if self.rb[i] and nodes[i].output_grad:  # (the user's loss gives it a gradient)
                 grads.slot[i] = grads.new(nodes[i].grad_bytes)
                 grads.holders[grads.slot[i]].update({("engine", i), ("slot", i)})
         pgrad = 0

@@ -24,7 +24,8 @@ batch are not counted. Live at any moment is the sum of:
   the first backward that produces it and released by the node's own backward.
   Gradients of the model's outputs are made by the user's loss, at the start of the
   first backward stage, and stay to the end of the step (the autograd engine holds
-  them while the wrapper's backward runs). A buffer may be several nodes' gradient at
+  them while the wrapper's backward runs); an output whose `output_grad` is False (the
+  loss does not read it) gets none. A buffer may be several nodes' gradient at
   once (an addition hands its gradient to both arguments): its bytes count once, while
   anything holds it.
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
@@ -220,7 +221,7 @@ class _Replay:
     def _start_backward(self) -> None:
         self.backward_started = True
         for n in self.p.nodes:
-            if n.is_output and n.requires_backward and n.name not in self.grads:
+            if n.is_output and n.output_grad and n.requires_backward and n.name not in self.grads:
                 buf = self._new_grad(n.grad_bytes)
                 self._grad_hold(buf, ("engine", n.name))  # held to the end of the step
                 self._grad_hold(buf, ("slot", n.name))

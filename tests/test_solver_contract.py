@@ -444,3 +444,41 @@ def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
     finally:
         os.umask(old)
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary file left
+
+
+def test_an_output_the_loss_does_not_read_gets_no_gradient(tmp_path):
+    """`Node.output_grad` False (a language model's logits beside the loss it returns): the user
+    holds the output, but gives it no gradient; simulator and MILP count the same."""
+    base = chain(8, seed=1)
+    last = base.nodes[-2]  # the value the loss reads, now also returned
+
+    def returned(output_grad: bool) -> Problem:
+        nodes = list(base.nodes)
+        nodes[-2] = dataclasses.replace(last, is_output=True, output_grad=output_grad)
+        return dataclasses.replace(base, nodes=tuple(nodes))
+
+    read, unread = returned(True), returned(False)
+    # the read one's gradient is made by the user and held to the step's end (the engine holds
+    # it), so the gradient the loss's backward hands it is summed with it into a new buffer: two
+    # buffers of the value's gradient more at the loss's backward stage
+    assert simulate(read, no_recompute(read)).stage_peaks[1] == (
+        simulate(unread, no_recompute(unread)).stage_peaks[1] + 2 * last.grad_bytes
+    )
+    budget = int(0.7 * simulate(unread, no_recompute(unread)).peak_bytes)
+    s = solve(unread, budget, time_limit=20, verbose=False)
+    sim = simulate(unread, s)
+    assert sim.peak_bytes <= budget
+    assert s.meta.get("milp_objective") is None or s.meta["milp_objective"] == pytest.approx(
+        sim.time_s, rel=1e-6
+    )
+    unread.to_json(tmp_path / "p.json")
+    assert Problem.from_json(tmp_path / "p.json") == unread
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["format_version"] = 8  # before the field: every output got a gradient
+    for n in data["nodes"]:
+        del n["output_grad"]
+    assert Problem.from_dict(data) == read
+    with pytest.raises(ProblemError, match="output_grad False on a node that is not an output"):
+        nodes = list(base.nodes)
+        nodes[2] = dataclasses.replace(nodes[2], output_grad=False)
+        dataclasses.replace(base, nodes=tuple(nodes))

@@ -259,3 +259,73 @@ def test_loss_inside_bert_traces_its_inline_loss_module():
         g = trace(model, (x,))
     assert g.leaf_paths == [] and "cross_entropy" in {n.kind for n in g.nodes}
     _check(model, x, 0.5, "bert loss", input_shape=tuple(x.shape))
+
+
+def test_hugging_face_model_by_keyword_trains_on_its_own_loss():
+    """A Hugging Face model itself, its inputs given by keyword (labels too): traced through a
+    root taking them by name, trained on the loss it returns (the logits, which the user holds,
+    get no gradient), the wrapper returns its ModelOutput; same gradients, inside the budget."""
+    from monet_opt.bench import zero_grad
+    from tests.test_runtime import assert_grads_close
+
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()  # dropout on: replayed on recompute
+    ids = _tokens()
+    # by default the output holds the key/value cache: refused, naming the fix
+    with pytest.raises(TraceError, match="use_cache=False"):
+        trace(model, {"input_ids": ids, "labels": ids})
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    g = trace(model, inputs)
+    assert [n.name for n in g.gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "labels"]
+    problem = build_problem(model, inputs, progress=False, repeats=1)
+    no_grad = [n for n in problem.nodes if n.is_output and not n.output_grad]
+    assert [n.output_bytes for n in no_grad] == [ids.numel() * 256 * 4], "the logits get no gradient"
+    _, schedule = solve_model(
+        model, inputs, budget_at(problem, 0.5), time_limit=10, verbose=False, problem=problem
+    )
+    assert schedule.meta["input_names"] == ["input_ids", "labels"]
+    assert schedule.meta["input_constants"] == {"use_cache": False}
+    assert schedule.meta["grad_outputs"] == [0]
+    wrapped = MonetWrapper(model, schedule)  # example inputs rebuilt from the schedule's names
+    plain = copy.deepcopy(model)
+    for step in ("recorded", "replayed"):
+        zero_grad(plain)
+        zero_grad(model)
+        torch.manual_seed(1)
+        expected = plain(input_ids=ids, labels=ids, use_cache=False)
+        expected.loss.backward()
+        torch.manual_seed(1)
+        out = wrapped(input_ids=ids, labels=ids)  # the constant may be left out
+        out.loss.backward()
+        assert type(out) is type(expected) and list(out.keys()) == ["loss", "logits"]
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=0)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_grads_close(p.grad, q.grad, f"{step} step: grad of {name}")
+    zero_grad(model)
+    peak, _ = measure_step(wrapped, (ids, ids), steps=1)  # (by position, in the names' order)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= schedule.budget_bytes + LOSS_SCALARS, f"measured {peak} over {schedule.budget_bytes}"
+    assert abs(peak - predicted) <= 0.05 * predicted, f"measured {peak} vs predicted {predicted}"
+    # a loss that reads the logits too would need memory the schedule did not count: refused
+    out = wrapped(input_ids=ids, labels=ids)
+    with pytest.raises(RuntimeError, match="grad_outputs='all'"):
+        (out.loss + out.logits.mean()).backward()
+    with pytest.raises(ValueError, match="traced with use_cache=False"):
+        wrapped(input_ids=ids, labels=ids, use_cache=True)
+    # solved for every output, the logits' gradient is counted and a loss may read them
+    every = build_problem(model, inputs, progress=False, repeats=1, grad_outputs="all")
+    assert all(n.output_grad for n in every.nodes)
+    plain_peak = solver.simulate(every, baselines.no_recompute(every)).peak_bytes
+    assert (
+        plain_peak
+        >= solver.simulate(problem, baselines.no_recompute(problem)).peak_bytes + ids.numel() * 256 * 4
+    )
+    # eval runs the model itself
+    wrapped.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            wrapped(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits
+        )

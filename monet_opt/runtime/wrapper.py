@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
+from monet_opt.keyword_inputs import KeywordRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
 from solver.schedule import FingerprintMismatch, Schedule
@@ -24,8 +25,11 @@ class _SpecBox:
 
 class _ScheduledStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, executor: ScheduleExecutor, box: _SpecBox, autocast: tuple, n_inputs: int, *tensors):
+    def forward(
+        ctx, executor: ScheduleExecutor, box: _SpecBox, grad_outputs, autocast: tuple, n_inputs: int, *tensors
+    ):
         inputs = tensors[:n_inputs]
+        ctx.grad_outputs = grad_outputs
         ctx.params = tensors[n_inputs:]
         # an output the loss does not use gets no gradient (None), not zeros: a parameter only it
         # reads then keeps grad None, as in plain PyTorch (zeros would let weight decay, momentum
@@ -53,12 +57,21 @@ class _ScheduledStep(torch.autograd.Function):
                 "monet-opt: higher-order gradients (create_graph=True) through a wrapped model are "
                 "not supported: its backward is not differentiable; use the plain model for them"
             )
+        if ctx.grad_outputs is not None:
+            extra = [k for k, g in enumerate(grads) if g is not None and k not in ctx.grad_outputs]
+            if extra:
+                raise RuntimeError(
+                    f"monet-opt: the loss reads output {extra[0]} of the wrapped model, but the schedule "
+                    f"was solved for a loss reading only output(s) {ctx.grad_outputs} (the model's own "
+                    "loss): train on that loss, or solve with grad_outputs='all'"
+                )
         with _autocast(ctx.autocast):
             input_grads = ctx.executor.run_backward(ctx.run, list(grads))
         ctx.run = None
         names = [p.name for p in ctx.executor.placeholders]
         params, ctx.params = ctx.params, None
         return (
+            None,
             None,
             None,
             None,
@@ -115,6 +128,8 @@ def _flat_dims(input_shape) -> list:
 
 
 def _first_shape(input_shape, example_inputs) -> tuple[int, ...] | None:
+    if isinstance(example_inputs, dict):  # (by keyword: the first tensor's)
+        example_inputs = [v for v in example_inputs.values() if isinstance(v, torch.Tensor)][:1] or None
     if example_inputs is not None:
         first = example_inputs if isinstance(example_inputs, torch.Tensor) else example_inputs[0]
         return tuple(first.shape) if isinstance(first, torch.Tensor) else None
@@ -128,8 +143,10 @@ class MonetWrapper(nn.Module):
 
     schedule: a `solver.Schedule`, a path to its JSON, or a shipped-schedule
     shortcut such as "resnet50@0.5". input_shape: the shape (or tuple of shapes)
-    the schedule was solved for. In eval mode, or under no_grad, the model runs
-    plainly.
+    the schedule was solved for; or example_inputs: tensors of those shapes (a tuple), or
+    by keyword (a dict, as the schedule was solved with: `monet_opt.keyword_inputs`; the
+    wrapper then returns the model's own output structure, a Hugging Face ModelOutput).
+    In eval mode, or under no_grad, the model runs plainly.
 
     optimizer: for a schedule solved with the optimizer step in the backward
     (`build_problem(..., optimizer=...)`), the same optimizer: a factory
@@ -176,9 +193,18 @@ class MonetWrapper(nn.Module):
             example_inputs = tuple(
                 torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
             )
-        if isinstance(example_inputs, torch.Tensor):
-            example_inputs = (example_inputs,)
-        graph = trace(model, example_inputs)
+            names = self.schedule.meta.get("input_names")
+            if names and len(names) == len(example_inputs):  # solved by keyword
+                example_inputs = {
+                    **dict(zip(names, example_inputs)),
+                    **self.schedule.meta.get("input_constants", {}),
+                }
+        # inputs by keyword ({'input_ids': ids, 'use_cache': False}): traced through a root that
+        # takes them positionally and returns the output's tensors flat (`monet_opt.keyword_inputs`)
+        root, example_inputs = as_traceable(model, example_inputs)
+        # (kept off the module tree: the model is registered once, as `self.model`)
+        object.__setattr__(self, "_keyword_root", root if isinstance(root, KeywordRoot) else None)
+        graph = trace(root, example_inputs)
         _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
         expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
         try:
@@ -187,6 +213,9 @@ class MonetWrapper(nn.Module):
             raise FingerprintMismatch(
                 f"{exc}{_what_differs(self.schedule, example_inputs, made_up)}"
             ) from None
+        # the flat output positions the schedule's loss reads (None: every output; a model that
+        # returns its loss is solved for it alone, `build_problem`'s grad_outputs)
+        self.grad_outputs = self.schedule.meta.get("grad_outputs")
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self.input_dtypes = [x.dtype for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
@@ -205,6 +234,8 @@ class MonetWrapper(nn.Module):
             # the model itself, not the traced graph: a trace fixes what Python read while it ran
             # (`self.training`, so a functional dropout's p; with concrete shapes, the shapes)
             return self.model(*inputs, **named)
+        if self._keyword_root is not None:
+            named = self._without_constants(named)
         if named:
             inputs = self._positional(inputs, named)
         shapes = [tuple(x.shape) for x in inputs]
@@ -224,9 +255,25 @@ class MonetWrapper(nn.Module):
         box = _SpecBox()
         params = [p for p in self._all_params if p.requires_grad]
         flat = _ScheduledStep.apply(
-            self.executor, box, _autocast_state(device_type), len(inputs), *inputs, *params
+            self.executor, box, self.grad_outputs, _autocast_state(device_type), len(inputs), *inputs, *params
         )
-        return tree_unflatten(list(flat), box.spec)
+        out = tree_unflatten(list(flat), box.spec)
+        if self._keyword_root is not None:  # the model's own output structure (a ModelOutput)
+            return tree_unflatten(list(out), self._keyword_root.out_spec)
+        return out
+
+    def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
+        """The keywords without the constants the schedule was traced with (`use_cache=False`);
+        a constant given another value is refused (the traced steps run with the traced one)."""
+        constants = self._keyword_root.constants
+        for k, v in named.items():
+            if k in constants and not (type(v) is type(constants[k]) and v == constants[k]):
+                raise ValueError(
+                    f"monet-opt: {k}={v!r}, but the schedule was traced with {k}={constants[k]!r}; "
+                    f"training steps run it so: pass {constants[k]!r} or leave it out (eval mode runs "
+                    "the model itself, with what it is given)"
+                )
+        return {k: v for k, v in named.items() if k not in constants}
 
     def _positional(self, inputs: tuple, named: dict[str, Any]) -> tuple:
         """Inputs given by keyword, in the traced model's order (its forward's argument names)."""

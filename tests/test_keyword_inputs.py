@@ -1,0 +1,98 @@
+"""Example inputs by keyword (`monet_opt.keyword_inputs`): a model whose forward takes named
+inputs and returns a dict, traced, solved and trained through a root that takes them by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import solver
+from monet_opt.bench import measure_step, zero_grad
+from monet_opt.graph import trace
+from monet_opt.keyword_inputs import as_traceable, loss_positions
+from monet_opt.pipeline import solve_model
+from monet_opt.profile import build_problem
+from monet_opt.runtime import MonetWrapper
+from tests.test_runtime import LOSS_SCALARS, assert_grads_close, budget_at
+
+
+class TwoHeads(nn.Module):
+    """Named inputs (one optional), a constant, and a dict output with no loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+        self.a = nn.Linear(256, 8)
+        self.b = nn.Linear(256, 4)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        h = self.body(x)
+        if mask is not None:
+            h = h * mask
+        return {"a": self.a(h) * scale, "b": self.b(h)}
+
+
+def test_keyword_inputs_trace_solve_and_train_with_plain_gradients():
+    torch.manual_seed(0)
+    model = TwoHeads().train()
+    # (large enough that the runtime's 64-KiB reserve is noise)
+    x, mask = torch.randn(512, 64), (torch.rand(512, 256) > 0.3).float()
+    inputs = {"x": x, "mask": mask, "scale": 2.0}
+    g = trace(model, inputs)
+    assert [n.name for n in g.gm.graph.nodes if n.op == "placeholder"] == ["x", "mask"]
+    problem = build_problem(model, inputs, progress=False, repeats=1)
+    # no 'loss' in the output: the loss may read every output
+    assert all(n.output_grad for n in problem.nodes) and "grad_outputs" not in problem.meta
+    _, schedule = solve_model(
+        model, inputs, budget_at(problem, 0.3), time_limit=10, verbose=False, problem=problem
+    )
+    wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
+    plain = TwoHeads()
+    plain.load_state_dict(model.state_dict())
+    for call in ("keywords", "positional"):
+        zero_grad(model)
+        zero_grad(plain)
+        out = wrapped(x=x, mask=mask, scale=2.0) if call == "keywords" else wrapped(x, mask)
+        expected = plain(x, mask=mask, scale=2.0)
+        assert isinstance(out, dict) and list(out) == ["a", "b"]
+        (out["a"].square().sum() + out["b"].sum()).backward()
+        (expected["a"].square().sum() + expected["b"].sum()).backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_grads_close(p.grad, q.grad, f"{call}: grad of {name}")
+    zero_grad(model)
+    peak, _ = measure_step(wrapped, (x, mask), steps=1)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= schedule.budget_bytes + LOSS_SCALARS
+    assert abs(peak - predicted) <= 0.05 * predicted, f"measured {peak} vs predicted {predicted}"
+    with pytest.raises(ValueError, match="traced with scale=2.0"):
+        wrapped(x=x, mask=mask, scale=3.0)
+    # the schedule was solved with the mask given: leaving it out is refused by name
+    with pytest.raises(TypeError, match="'mask'"):
+        wrapped(x=x)
+
+
+def test_bad_keyword_inputs_are_named():
+    model = TwoHeads()
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="empty dict"):
+        as_traceable(model, {})
+    with pytest.raises(ValueError, match="no tensor"):
+        as_traceable(model, {"scale": 1.0})
+    with pytest.raises(TypeError, match="'mask' is a list"):
+        as_traceable(model, {"x": x, "mask": [1, 2]})
+    with pytest.raises(ValueError, match="'class'"):
+        as_traceable(model, {"x": x, "class": 1})
+    root, inputs = as_traceable(model, {"x": x})
+    assert inputs == (x,) and root.names == ("x",)
+    assert as_traceable(model, (x,)) == (model, (x,))
+
+
+def test_loss_positions_find_a_returned_loss():
+    from torch.utils._pytree import tree_flatten
+
+    t = torch.zeros(())
+    assert loss_positions(tree_flatten({"logits": t, "loss": t})[1]) == [1]
+    assert loss_positions(tree_flatten({"loss": (t, t)})[1]) is None  # not one tensor
+    assert loss_positions(tree_flatten((t, t))[1]) is None
+    assert loss_positions(tree_flatten({"a": [t, t], "loss": t})[1]) == [2]
