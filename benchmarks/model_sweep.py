@@ -1,7 +1,7 @@
 """timm and Hugging Face model families through the whole pipeline: trace, profile, solve, one
 wrapped training step.
 
-    python benchmarks/model_sweep.py [--family timm|hf|torchvision] [--out DIR] [--only NAME ...]
+    python benchmarks/model_sweep.py [--family timm|hf|hf-loss|torchvision] [--out DIR] [--only NAME ...]
 
 Each model (random weights; timm: batch 2, 64x64 unless the model fixes its input size; Hugging
 Face: a tiny configuration, 2 layers of width 64, token ids of batch 8 x 64, logits out) runs in a
@@ -13,7 +13,10 @@ atol 1e-5 of the largest gradient, at least 1e-6), twice (recorded, then replaye
 peak inside the budget and within 5 % of the prediction. `bitwise` rows offer only implementations
 whose gradients are torch's bit for bit. torchvision: one or two classification models per family,
 batch 2, 64x64 where the model takes it, three segmentation and two video models, 0.4 of the way. Writes DIR/model_sweep.md (timm),
-DIR/model_sweep_hf.md or DIR/model_sweep_tv.md.
+DIR/model_sweep_hf.md or DIR/model_sweep_tv.md. hf-loss: the same Hugging Face models themselves,
+given `{'input_ids': x, 'labels': x}` (and `use_cache=False` where the forward takes it) and
+trained on the loss they return (`tests.test_transformers_timm.check_own_loss`), to
+DIR/model_sweep_hf_loss.md.
 """
 
 from __future__ import annotations
@@ -167,6 +170,19 @@ x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
 T._check(model, x, 0.5, name, input_shape=tuple(x.shape))
 """
 
+ONE_HF_LOSS = """
+import inspect, sys, torch, transformers
+import tests.test_transformers_timm as T
+name, config, cls, kw = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+torch.manual_seed(0)
+model = getattr(transformers, cls)(getattr(transformers, config)(vocab_size=256, **kw)).train()
+x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+inputs = {"input_ids": x, "labels": x}
+if "use_cache" in inspect.signature(model.forward).parameters:
+    inputs["use_cache"] = False
+T.check_own_loss(model, inputs, 0.5, name)
+"""
+
 ONE_TV = """
 import sys, torch, torchvision
 import tests.test_transformers_timm as T
@@ -206,7 +222,7 @@ def run_one(argv: list[str], timeout: float) -> tuple[str, float, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=["timm", "hf", "torchvision"], default="timm")
+    ap.add_argument("--family", choices=["timm", "hf", "hf-loss", "torchvision"], default="timm")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
@@ -221,9 +237,10 @@ def main(argv=None) -> int:
             (name, "x".join(map(str, shape)), [ONE_TV, name, repr(shape), repr(kw)], kw, False)
             for name, shape, kw in TV_MODELS
         ]
-    else:
+    else:  # hf: token ids in, logits out; hf-loss: the model itself, by keyword, on its own loss
+        script = ONE_HF if args.family == "hf" else ONE_HF_LOSS
         runs = [
-            (name, "8x64", [ONE_HF, name, config, cls, repr(kw)], {}, False)
+            (name, "8x64", [script, name, config, cls, repr(kw)], {}, False)
             for name, config, cls, kw in HF_MODELS
         ]
     runs = [r for r in runs if not args.only or r[0] in args.only]
@@ -237,9 +254,14 @@ def main(argv=None) -> int:
             f"| {name} | {size} | {options} | {status} | {seconds:.0f} | {detail.replace('|', '/')} |"
         )
     passed = sum(1 for r in rows if "| ok |" in r)
-    title = {"timm": "timm", "hf": "Hugging Face", "torchvision": "torchvision"}[args.family]
-    images = args.family != "hf"
-    column = {"timm": "image", "hf": "tokens", "torchvision": "input"}[args.family]
+    title = {
+        "timm": "timm",
+        "hf": "Hugging Face",
+        "hf-loss": "Hugging Face (by keyword, own loss)",
+        "torchvision": "torchvision",
+    }[args.family]
+    images = not args.family.startswith("hf")
+    column = {"timm": "image", "hf": "tokens", "hf-loss": "tokens", "torchvision": "input"}[args.family]
     text = "\n".join(
         [
             f"### {title} models through the pipeline ({started})",
@@ -259,9 +281,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = (
         out
-        / {"timm": "model_sweep.md", "hf": "model_sweep_hf.md", "torchvision": "model_sweep_tv.md"}[
-            args.family
-        ]
+        / {
+            "timm": "model_sweep.md",
+            "hf": "model_sweep_hf.md",
+            "hf-loss": "model_sweep_hf_loss.md",
+            "torchvision": "model_sweep_tv.md",
+        }[args.family]
     )
     atomic_write_text(path, text)
     print(f"wrote {path}")

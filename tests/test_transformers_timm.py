@@ -261,13 +261,51 @@ def test_loss_inside_bert_traces_its_inline_loss_module():
     _check(model, x, 0.5, "bert loss", input_shape=tuple(x.shape))
 
 
+def check_own_loss(model: nn.Module, inputs: dict, fraction: float, name: str) -> tuple:
+    """A model given its inputs by keyword that returns its own loss: solved at `fraction` of the
+    way from the lowest feasible peak to plain's, wrapped from the schedule alone (inputs rebuilt
+    from its names), two steps (recorded, replayed) with plain's loss and gradients and its output
+    type, measured peak inside the budget and within 5 % of the prediction. Returns (problem,
+    schedule, wrapped)."""
+    from monet_opt.bench import zero_grad
+    from tests.test_runtime import assert_grads_close
+
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    problem = build_problem(model, inputs, progress=False, repeats=1)
+    _, schedule = solve_model(
+        model, inputs, budget_at(problem, fraction), time_limit=10, verbose=False, problem=problem
+    )
+    assert schedule.meta["input_names"] == list(tensors)
+    assert schedule.meta["grad_outputs"] == [0], f"{name}: not solved for its own loss alone"
+    wrapped = MonetWrapper(model, schedule)  # example inputs rebuilt from the schedule's names
+    plain = copy.deepcopy(model)
+    for step in ("recorded", "replayed"):
+        zero_grad(plain)
+        zero_grad(model)
+        torch.manual_seed(1)
+        expected = plain(**inputs)
+        expected.loss.backward()
+        torch.manual_seed(1)
+        out = wrapped(**tensors)  # (the constants may be left out)
+        out.loss.backward()
+        assert type(out) is type(expected) and list(out.keys()) == list(expected.keys()), name
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=0)
+        for (key, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_grads_close(p.grad, q.grad, f"{name}, {step} step: grad of {key}")
+    zero_grad(model)
+    peak, _ = measure_step(wrapped, tuple(tensors.values()), steps=1)  # (by position, in order)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    assert peak <= schedule.budget_bytes + LOSS_SCALARS, (
+        f"{name}: measured {peak} over {schedule.budget_bytes}"
+    )
+    assert abs(peak - predicted) <= 0.05 * predicted, f"{name}: measured {peak} vs predicted {predicted}"
+    return problem, schedule, wrapped
+
+
 def test_hugging_face_model_by_keyword_trains_on_its_own_loss():
     """A Hugging Face model itself, its inputs given by keyword (labels too): traced through a
     root taking them by name, trained on the loss it returns (the logits, which the user holds,
     get no gradient), the wrapper returns its ModelOutput; same gradients, inside the budget."""
-    from monet_opt.bench import zero_grad
-    from tests.test_runtime import assert_grads_close
-
     cfg = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
     )
@@ -280,35 +318,10 @@ def test_hugging_face_model_by_keyword_trains_on_its_own_loss():
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     g = trace(model, inputs)
     assert [n.name for n in g.gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "labels"]
-    problem = build_problem(model, inputs, progress=False, repeats=1)
+    problem, schedule, wrapped = check_own_loss(model, inputs, 0.5, "gpt2")
     no_grad = [n for n in problem.nodes if n.is_output and not n.output_grad]
     assert [n.output_bytes for n in no_grad] == [ids.numel() * 256 * 4], "the logits get no gradient"
-    _, schedule = solve_model(
-        model, inputs, budget_at(problem, 0.5), time_limit=10, verbose=False, problem=problem
-    )
-    assert schedule.meta["input_names"] == ["input_ids", "labels"]
     assert schedule.meta["input_constants"] == {"use_cache": False}
-    assert schedule.meta["grad_outputs"] == [0]
-    wrapped = MonetWrapper(model, schedule)  # example inputs rebuilt from the schedule's names
-    plain = copy.deepcopy(model)
-    for step in ("recorded", "replayed"):
-        zero_grad(plain)
-        zero_grad(model)
-        torch.manual_seed(1)
-        expected = plain(input_ids=ids, labels=ids, use_cache=False)
-        expected.loss.backward()
-        torch.manual_seed(1)
-        out = wrapped(input_ids=ids, labels=ids)  # the constant may be left out
-        out.loss.backward()
-        assert type(out) is type(expected) and list(out.keys()) == ["loss", "logits"]
-        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=0)
-        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-            assert_grads_close(p.grad, q.grad, f"{step} step: grad of {name}")
-    zero_grad(model)
-    peak, _ = measure_step(wrapped, (ids, ids), steps=1)  # (by position, in the names' order)
-    predicted = solver.simulate(problem, schedule).peak_bytes
-    assert peak <= schedule.budget_bytes + LOSS_SCALARS, f"measured {peak} over {schedule.budget_bytes}"
-    assert abs(peak - predicted) <= 0.05 * predicted, f"measured {peak} vs predicted {predicted}"
     # a loss that reads the logits too would need memory the schedule did not count: refused
     out = wrapped(input_ids=ids, labels=ids)
     with pytest.raises(RuntimeError, match="grad_outputs='all'"):
