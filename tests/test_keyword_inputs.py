@@ -70,6 +70,9 @@ def test_keyword_inputs_trace_solve_and_train_with_plain_gradients():
     # the schedule was solved with the mask given: leaving it out is refused by name
     with pytest.raises(TypeError, match="'mask'"):
         wrapped(x=x)
+    # example tensors in the order of the names the schedule was solved with are those inputs
+    again = MonetWrapper(model, schedule, example_inputs=(x, mask))
+    assert list(again(x, mask=mask, scale=2.0)) == ["a", "b"]
 
 
 def test_bad_keyword_inputs_are_named():

@@ -193,12 +193,12 @@ class MonetWrapper(nn.Module):
             example_inputs = tuple(
                 torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
             )
-            names = self.schedule.meta.get("input_names")
-            if names and len(names) == len(example_inputs):  # solved by keyword
-                example_inputs = {
-                    **dict(zip(names, example_inputs)),
-                    **self.schedule.meta.get("input_constants", {}),
-                }
+        names = self.schedule.meta.get("input_names")
+        if names and not isinstance(example_inputs, dict) and not isinstance(model, KeywordRoot):
+            # solved by keyword: tensors given in the names' order (or made up) are those inputs
+            given = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+            if len(names) == len(given):
+                example_inputs = {**dict(zip(names, given)), **self.schedule.meta.get("input_constants", {})}
         # inputs by keyword ({'input_ids': ids, 'use_cache': False}): traced through a root that
         # takes them positionally and returns the output's tensors flat (`monet_opt.keyword_inputs`)
         root, example_inputs = as_traceable(model, example_inputs)
