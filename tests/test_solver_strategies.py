@@ -933,3 +933,23 @@ def test_a_plan_proven_within_the_asked_gap_is_not_polished(monkeypatch):
     assert polished == [], "a plan proven within the gap asked for was polished"
     solve(p, budget, time_limit=4, verbose=False, window=6, mip_gap=1e-9)
     assert polished, "asked for a tighter gap than proven, the solve did not polish"
+
+
+def test_a_window_whose_lp_relaxation_proves_the_plan_runs_no_milp():
+    """When a window's LP relaxation already bounds the incumbent within `mip_gap`, HiGHS would
+    stop at its root: no MILP run in that window, the ladder widens, and the plan is reported
+    optimal with the relaxations' gap. (The transformer test problem at its no-recompute peak:
+    4.7 s of HiGHS runs before, 2.5 s here.) Asked for a tighter gap than they prove, HiGHS runs."""
+    p = PROBLEMS["transformer2"]
+    budget = B.no_recompute(p).predicted_peak_bytes
+    s = solve(p, budget, time_limit=10, verbose=False)
+    _check(p, s, budget)
+    kinds = {a["status"] for a in s.meta["milp_attempts"]}
+    assert kinds == {"lp_relaxation"}, s.meta["milp_attempts"]
+    assert s.solver.status == "optimal" and s.solver.gap <= 0.01, s.solver
+    tight = solve(p, budget, time_limit=10, verbose=False, mip_gap=1e-9)
+    assert {a["status"] for a in tight.meta["milp_attempts"]} - {"lp_relaxation"}, "no MILP ran"
+    assert (
+        tight.predicted_time_s <= s.predicted_time_s * (1 + 1e-9)
+        and s.predicted_time_s <= tight.predicted_time_s * 1.01
+    )
