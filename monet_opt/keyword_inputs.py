@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 
 class KeywordRoot(nn.Module):
-    """Calls `model` with keywords. `names`: the tensor inputs, in the forward's positional order;
-    `constants`: the other keywords, passed as given. Built by `keyword_root` (its forward is
+    """Calls `model` with keywords. `names`: the tensor inputs, in the order given (the root's
+    positional order); `constants`: the other keywords, passed as given. Built by `keyword_root` (its forward is
     generated with the names as arguments: torch.fx names the graph's inputs after them)."""
 
     def __init__(self, model: nn.Module, names: tuple[str, ...], constants: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ class KeywordRoot(nn.Module):
 def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) -> KeywordRoot:
     """A `KeywordRoot` for `model` whose forward takes `names` positionally."""
     for name in [*names, *constants]:
-        if not name.isidentifier() or keyword.iskeyword(name):
+        if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
             raise ValueError(f"example input name {name!r} is not a Python argument name")
     call = ", ".join([f"{n}={n}" for n in names] + [f"{k}=self.constants[{k!r}]" for k in constants])
     source = f"def forward(self, {', '.join(names)}):\n    return self._flat(self.model({call}))\n"

@@ -86,6 +86,8 @@ def test_bad_keyword_inputs_are_named():
         as_traceable(model, {"x": x, "mask": [1, 2]})
     with pytest.raises(ValueError, match="'class'"):
         as_traceable(model, {"x": x, "class": 1})
+    with pytest.raises(ValueError, match="'self'"):
+        as_traceable(model, {"self": x})
     root, inputs = as_traceable(model, {"x": x})
     assert inputs == (x,) and root.names == ("x",)
     assert as_traceable(model, (x,)) == (model, (x,))
