@@ -7,13 +7,15 @@ output's tensors as a flat tuple (the output's structure, a `ModelOutput` or a d
 `out_spec` to rebuild it). Values in the dict that are not tensors (`use_cache=False`) are
 constants of the trace: every traced step passes them as they were.
 
-`as_traceable(model, example_inputs)` is the one entry: a dict gives a `KeywordRoot` and the
-dict's tensors in order; anything else passes through as a tuple.
+`as_traceable(model, example_inputs)` is the one entry: a mapping (a dict, a tokenizer's
+BatchEncoding) gives a `KeywordRoot` and its tensors in order; anything else passes through as
+a tuple.
 """
 
 from __future__ import annotations
 
 import keyword
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -73,12 +75,13 @@ def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) 
 
 
 def as_traceable(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tuple]:
-    """(module to trace, its positional inputs). A dict of example inputs (keyword -> tensor, or
-    keyword -> constant) gives a `KeywordRoot`; a tensor or a sequence passes through as a tuple.
-    A `KeywordRoot` handed in again (with its tuple) passes through unchanged."""
+    """(module to trace, its positional inputs). A mapping of example inputs (keyword -> tensor,
+    or keyword -> constant: a dict, or a tokenizer's BatchEncoding) gives a `KeywordRoot`; a
+    tensor or a sequence passes through as a tuple (a `KeywordRoot` handed in again, with its
+    tuple, unchanged)."""
     if isinstance(example_inputs, torch.Tensor):
         return model, (example_inputs,)
-    if not isinstance(example_inputs, dict):
+    if not isinstance(example_inputs, Mapping):  # (a dict, or a tokenizer's BatchEncoding)
         return model, tuple(example_inputs)
     if not example_inputs:
         raise ValueError("example_inputs is an empty dict: give the model's inputs by keyword")

@@ -90,6 +90,11 @@ def test_bad_keyword_inputs_are_named():
         as_traceable(model, {"self": x})
     root, inputs = as_traceable(model, {"x": x})
     assert inputs == (x,) and root.names == ("x",)
+    # any mapping (a tokenizer's BatchEncoding is a UserDict)
+    from collections import UserDict
+
+    root, inputs = as_traceable(model, UserDict({"x": x, "scale": 2.0}))
+    assert inputs == (x,) and root.names == ("x",) and root.constants == {"scale": 2.0}
     assert as_traceable(model, (x,)) == (model, (x,))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def _flat_dims(input_shape) -> list:
 
 
 def _first_shape(input_shape, example_inputs) -> tuple[int, ...] | None:
-    if isinstance(example_inputs, dict):  # (by keyword: the first tensor's)
+    if isinstance(example_inputs, Mapping):  # (by keyword: the first tensor's)
         example_inputs = [v for v in example_inputs.values() if isinstance(v, torch.Tensor)][:1] or None
     if example_inputs is not None:
         first = example_inputs if isinstance(example_inputs, torch.Tensor) else example_inputs[0]
@@ -194,7 +195,7 @@ class MonetWrapper(nn.Module):
                 torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
             )
         names = self.schedule.meta.get("input_names")
-        if names and not isinstance(example_inputs, dict) and not isinstance(model, KeywordRoot):
+        if names and not isinstance(example_inputs, Mapping) and not isinstance(model, KeywordRoot):
             # solved by keyword: tensors given in the names' order (or made up) are those inputs
             given = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
             if len(names) == len(given):
