@@ -67,7 +67,7 @@ def test_sweeps_keep_and_start_from_it_too(cache, monkeypatch):
     from monet_opt.pipeline import sweep_model
     from solver import milp
 
-    problem = chain(12)
+    problem = chain(8)
     below, low = sweep_model(problem, [1000, "min"], time_limit=5, verbose=False)
     assert isinstance(below, solver.InfeasibleBudget)
     _, kept_peak = lowest_found.recall(problem)

@@ -953,3 +953,38 @@ def test_a_window_whose_lp_relaxation_proves_the_plan_runs_no_milp():
         tight.predicted_time_s <= s.predicted_time_s * (1 + 1e-9)
         and s.predicted_time_s <= tight.predicted_time_s * 1.01
     )
+
+
+def test_a_recomputation_makes_no_second_state_beside_a_held_one():
+    """A Plan holds one backward state per node: a node recomputed while its state is held runs
+    without grad (`vector_to_plan`). The MILP let such a recomputation make a new state of another
+    implementation and carry it instead, a point no Plan says: its plan replayed with the held
+    state's backward (ResNet-50 b8 224, layer1_0_downsample_0: chunked-backward state held,
+    recomputed with the default implementation, 4.0 ms faster in the MILP than in the replay).
+    Fixed so, the MILP has no such point."""
+    p = PROBLEMS["chain12"]
+    an = B.analysis(p)
+    found = None  # a baseline recomputing a multi-implementation node whose state it holds
+    for s in B.all_baselines(p, None).values():
+        plan = B.plan_of(p, s)
+        held = set(plan.F)
+        for si, st in enumerate(plan.stages[:-1]):
+            found = next(((si, i, m) for i, m, g in st.recompute if i in held and len(an.impls[i]) > 1), None)
+            if found:
+                break
+            held = set(st.carry_states)
+        if found:
+            break
+    assert found, "no baseline recomputes a node whose state it holds"
+    s, i, m = found
+    other = (m + 1) % len(an.impls[i])
+    form = Formulation(an, 10 * B.no_recompute(p).predicted_peak_bytes, window=None)
+    switch = {  # state m held, recomputed with `other`, and a state of `other` carried instead
+        form.A[s][i][m]: 1.0,
+        form.R[s][i][other]: 1.0,
+        form.A[s + 1][i][other]: 1.0,
+        form.A[s + 1][i][m]: 0.0,
+    }
+    assert form.solve_highs(10, fixed=switch).status == "infeasible"
+    keep = {**switch, form.A[s + 1][i][other]: 0.0, form.A[s + 1][i][m]: 1.0}  # carrying m is fine
+    assert form.solve_highs(10, fixed=keep).plan is not None
