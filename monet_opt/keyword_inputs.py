@@ -84,7 +84,7 @@ def as_traceable(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tupl
     if not isinstance(example_inputs, Mapping):  # (a dict, or a tokenizer's BatchEncoding)
         return model, tuple(example_inputs)
     if not example_inputs:
-        raise ValueError("example_inputs is an empty dict: give the model's inputs by keyword")
+        raise ValueError("example_inputs is an empty mapping: give the model's inputs by keyword")
     names = [k for k, v in example_inputs.items() if isinstance(v, torch.Tensor)]
     if not names:
         raise ValueError("example_inputs by keyword hold no tensor: give at least one input tensor")
@@ -116,4 +116,4 @@ def grad_output_positions(root: nn.Module, grad_outputs: str = "auto") -> list[i
     `KeywordRoot` whose model returned a loss (`loss_positions`) is trained on it alone."""
     if grad_outputs == "all" or not isinstance(root, KeywordRoot):
         return None
-    return loss_positions(root.out_spec)
+    return root.grad_outputs

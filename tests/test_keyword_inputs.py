@@ -78,7 +78,7 @@ def test_keyword_inputs_trace_solve_and_train_with_plain_gradients():
 def test_bad_keyword_inputs_are_named():
     model = TwoHeads()
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="empty dict"):
+    with pytest.raises(ValueError, match="empty mapping"):
         as_traceable(model, {})
     with pytest.raises(ValueError, match="no tensor"):
         as_traceable(model, {"scale": 1.0})

@@ -42,7 +42,7 @@ def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeyp
     schedule; without it there is no schedule."""
     from solver import milp
 
-    problem = chain(12)
+    problem = chain(8)
     low = solver.minimum_peak(problem, time_limit=10, verbose=False)
     peak = low.predicted_peak_bytes
     assert peak < baselines.min_known_peak(problem)[0]  # no baseline meets it
