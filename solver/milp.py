@@ -332,7 +332,7 @@ class Formulation:
             Ss: dict[int, int] = {}
             rng = range(n) if s == 0 else range(t + 1)
             for i in rng:
-                if i in user:
+                if i in user or (s == 0 and i in an.dropped):  # (held at the forward's end)
                     Ss[i] = md.var(lb=1.0, ub=1.0)
                 elif i > t:
                     Ss[i] = md.var(lb=0.0, ub=0.0)

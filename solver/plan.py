@@ -67,8 +67,14 @@ class Analysis:
             b = self.base[v]
             self.lastfs[b] = max(self.lastfs[b], v, self.lastfwd[v])
         self.outputs = [i for i in range(n) if nodes[i].is_output]
-        self.user_bases = sorted({self.base[i] for i in self.outputs})
-        self.user_held = set(self.user_bases) | set(self.outputs)  # never recomputed
+        # held by the user through the backward (never recomputed); an output the user drops
+        # once the loss is computed (`user_holds` False) is held to the end of the forward only
+        held = [i for i in self.outputs if nodes[i].user_holds]
+        self.user_bases = sorted({self.base[i] for i in held})
+        self.user_held = set(self.user_bases) | set(held)
+        self.dropped = {i for i in self.outputs if not nodes[i].user_holds}
+        self.dropped |= {self.base[i] for i in self.dropped}
+        self.dropped -= self.user_held
         self.user_bytes = sum(self.a[b] for b in self.user_bases)
         # backward stages
         self.bw = [i for i in range(n - 1, -1, -1) if self.rb[i]]

@@ -19,9 +19,9 @@ from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
 # 6: Node.restores; 7: Problem.recompute_overhead_s; 8: Impl.grad_shared without grad_in_place;
-# 9: Node.output_grad
-PROBLEM_FORMAT_VERSION = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # (older files still load)
+# 9: Node.output_grad; 10: Node.user_holds
+PROBLEM_FORMAT_VERSION = 10
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -116,6 +116,10 @@ class Node:
         parameter is updated, and its gradient dropped, once its last reader's backward ran).
     param_step_bytes: transient bytes of that optimizer step (its temporaries).
     is_output: the model returns this value; the user holds it until the step ends.
+    user_holds: for an output, False if the user drops it once the loss is computed, before the
+        backward (a training loop that keeps only the loss, as Hugging Face's Trainer: the logits
+        beside the loss a language model returns are then freed, or recomputed, as the schedule
+        says).
     output_grad: for an output, the user's loss gives it a gradient at the start of the
         backward (False: the loss does not read it, as a language model's logits beside the
         loss it returns).
@@ -136,6 +140,7 @@ class Node:
     param_step_bytes: int = 0
     restores: tuple[Restore, ...] = ()
     output_grad: bool = True
+    user_holds: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -242,6 +247,8 @@ def _validate(nodes: tuple[Node, ...]) -> None:
             raise ProblemError(f"node {node.name!r}: an optimizer step after a backward it does not have")
         if not node.output_grad and not node.is_output:
             raise ProblemError(f"node {node.name!r}: output_grad False on a node that is not an output")
+        if not node.user_holds and not node.is_output:
+            raise ProblemError(f"node {node.name!r}: user_holds False on a node that is not an output")
         if node.alias_of is not None and not 0 <= node.alias_of < len(node.inputs):
             raise ProblemError(f"node {node.name!r}: alias_of {node.alias_of} is not an input position")
         for impl in node.impls:

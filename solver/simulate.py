@@ -16,7 +16,8 @@ batch are not counted. Live at any moment is the sum of:
     - the backward state of a node whose implementation keeps that input
       (`keeps_inputs`) or keeps its own output (`keeps_output`);
     - the user, for nodes marked `is_output`, from the end of the forward stage
-      to the end of the step.
+      to the end of the step (to the start of the first backward stage if the output's
+      `user_holds` is False: the user dropped it once the loss was computed).
 * backward states -- `compute ... grad=True` creates the node's state; it holds
   `state_bytes` of private memory (plus the storages above) until the node's
   `backward` step or a `free_state` step.
@@ -129,6 +130,7 @@ class _Replay:
         self.live = problem.fixed_bytes
         self.peak = self.live
         self.backward_started = False
+        self.user_keys: dict[str, tuple[str, int]] = {}  # output -> the storage copy the user holds
 
     # -- storage bookkeeping ---------------------------------------------------
     def _new_copy(self, node: Node) -> tuple[str, int]:
@@ -217,9 +219,13 @@ class _Replay:
                 if n.name not in self.handle:
                     raise ScheduleInvalid(f"stage 'forward': output {n.name!r} is not held at its end")
                 self._hold(self.handle[n.name], ("user", n.name))
+                self.user_keys[n.name] = self.handle[n.name]
 
     def _start_backward(self) -> None:
         self.backward_started = True
+        for n in self.p.nodes:  # (outputs the user dropped once the loss was computed)
+            if n.is_output and not n.user_holds and n.name in self.user_keys:
+                self._release(self.user_keys.pop(n.name), ("user", n.name))
         for n in self.p.nodes:
             if n.is_output and n.output_grad and n.requires_backward and n.name not in self.grads:
                 buf = self._new_grad(n.grad_bytes)

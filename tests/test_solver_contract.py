@@ -11,6 +11,7 @@ import pytest
 
 from solver import (
     FingerprintMismatch,
+    InfeasibleBudget,
     Problem,
     ProblemError,
     Schedule,
@@ -18,11 +19,13 @@ from solver import (
     ScheduleInvalid,
     Stage,
     Step,
+    minimum_peak,
     no_recompute,
     simulate,
     solve,
 )
 from solver import baselines as B
+from solver.milp import Formulation
 from solver.synthetic import chain, random_dag, resnet
 
 
@@ -482,3 +485,87 @@ def test_an_output_the_loss_does_not_read_gets_no_gradient(tmp_path):
         nodes = list(base.nodes)
         nodes[2] = dataclasses.replace(nodes[2], output_grad=False)
         dataclasses.replace(base, nodes=tuple(nodes))
+
+
+def _language_model(user_holds: bool) -> Problem:
+    """The synthetic transformer as a language model returning its loss and its logits
+    (`head`, no gradient from the user); the loss's state keeps the logits."""
+    from solver.problem import Impl, Node
+    from solver.synthetic import transformer
+
+    base = transformer(2, seed=8)
+    nodes = list(base.nodes)
+    head = nodes[-1]
+    nodes[-1] = dataclasses.replace(head, is_output=True, output_grad=False, user_holds=user_holds)
+    loss = Impl("default", 1e-4, 1e-4, keeps_inputs=(0,), state_bytes=8)
+    nodes.append(
+        Node("loss", "loss", (head.name,), 4, (loss,), grad_bytes=4, is_output=True, requires_backward=True)
+    )
+    return dataclasses.replace(base, nodes=tuple(nodes))
+
+
+def test_an_output_the_user_drops_before_the_backward_is_freed_by_the_schedule(tmp_path):
+    """`Node.user_holds` False (a loop that keeps only the loss, as Hugging Face's Trainer): the
+    logits are held to the forward's end, then freed once nothing needs them; the simulator,
+    the MILP's rows and the baselines count the same, and solves fit."""
+    from tests.test_solver_strategies import _policy_schedules
+
+    held, dropped = _language_model(True), _language_model(False)
+    logits = held.nodes[-2].output_bytes
+    a, b = simulate(held, B.no_recompute(held)), simulate(dropped, B.no_recompute(dropped))
+    assert a.stage_peaks[0] == b.stage_peaks[0]  # the forward holds them either way
+    assert all(y <= x for x, y in zip(a.stage_peaks, b.stage_peaks))
+    # held by the loss's state through its backward, then freed: every later stage has them less
+    assert [x - y for x, y in zip(a.stage_peaks[2:], b.stage_peaks[2:])] == [logits] * (
+        len(a.stage_peaks) - 2
+    )
+    # the MILP's rows count exactly what the simulator counts, for baseline and random plans
+    an = B.analysis(dropped)
+    for s in _policy_schedules(dropped, 6, 6, seed=3):
+        plan = B.plan_of(dropped, s)
+        peak = simulate(dropped, s).peak_bytes
+        form = Formulation(an, peak, warm_plan=plan)
+        x = form.plan_to_vector(plan)
+        assert not form.violations(x), (s.strategy, [form.md.r_tag[r] for r in form.violations(x)][:3])
+        below = Formulation(an, peak - 1, warm_plan=plan)
+        assert below.violations(below.plan_to_vector(plan)), "MILP accepts a plan over budget"
+    # a budget under what any schedule needs while the user holds the logits solves when dropped
+    floor_held = minimum_peak(held, time_limit=10, verbose=False).predicted_peak_bytes
+    budget = floor_held - logits // 2
+    with pytest.raises(InfeasibleBudget):
+        solve(held, budget, time_limit=5, verbose=False)
+    s = solve(dropped, budget, time_limit=10, verbose=False)
+    assert simulate(dropped, s).peak_bytes <= budget
+    dropped.to_json(tmp_path / "p.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert Problem.from_dict(data) == dropped
+    data["format_version"] = 9  # before the field: the user held every output
+    for n in data["nodes"]:
+        del n["user_holds"]
+    assert Problem.from_dict(data) == held
+    with pytest.raises(ProblemError, match="user_holds False on a node that is not an output"):
+        nodes = list(held.nodes)
+        nodes[2] = dataclasses.replace(nodes[2], user_holds=False)
+        dataclasses.replace(held, nodes=tuple(nodes))
+
+
+def test_a_dropped_output_is_counted_to_the_end_of_the_forward():
+    """An output the user drops before the backward is still held to the forward's end: a
+    returned value in the middle of the network (an auxiliary head's output) stays live through
+    the rest of the forward. The peak MILP's own peak bounds its plan's simulated peak."""
+    from solver.plan import to_schedule
+    from solver.schedule import SolverInfo
+
+    base = chain(8, seed=1)
+    nodes = list(base.nodes)
+    big = 8 * nodes[2].output_bytes  # (so that holding it to the forward's end matters)
+    nodes[2] = dataclasses.replace(
+        nodes[2], output_bytes=big, is_output=True, output_grad=False, user_holds=False
+    )
+    p = dataclasses.replace(base, nodes=tuple(nodes))
+    an = B.analysis(p)
+    form = Formulation(an, None)
+    res = form.solve_milp(10, mip_gap=0.0)
+    assert res.plan is not None
+    sim = simulate(p, to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp")))
+    assert sim.peak_bytes <= res.x[form.peak_col] + 2  # (the column is in MiB for HiGHS)
