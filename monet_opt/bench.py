@@ -57,11 +57,14 @@ def training_step(model: nn.Module, inputs: tuple) -> None:
     """Forward, loss, backward; parameter gradients are expected to be None before it.
 
     The output is held through the backward, as in `out = model(x); loss_fn(out, y).backward()`
-    (the memory model counts outputs as held by the user until the step ends)."""
+    (the memory model counts outputs as held by the user until the step ends), except for a
+    model with `dropped_outputs` (a wrapper solved with outputs_held="loss"): the loss alone is."""
     out = model(*inputs)
     # (a wrapper or keyword root whose model returns its loss: that output alone)
-    loss_of(out, getattr(model, "grad_outputs", None)).backward()
-    del out
+    loss = loss_of(out, getattr(model, "grad_outputs", None))
+    if getattr(model, "dropped_outputs", None):  # (solved for a loop that keeps only the loss)
+        del out
+    loss.backward()
 
 
 def measure_step(model: nn.Module, inputs: tuple, steps: int = 3) -> tuple[int, float]:

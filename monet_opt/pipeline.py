@@ -84,6 +84,7 @@ def solve_model(
     refine: int = 0,
     milp_solver: str = "highs",
     grad_outputs: str = "auto",
+    outputs_held: str = "all",
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. example_inputs: a tensor,
     a tuple of them, or a dict by keyword (`{'input_ids': ids, 'labels': ids, 'use_cache': False}`
@@ -95,7 +96,9 @@ def solve_model(
     what its nodes took there (`monet_opt.calibrate.calibrate_on_schedule`) and solving again from
     it (`time_limit` each); the problem returned is the last corrected one.
     milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`).
-    grad_outputs: which outputs the loss reads ("auto": a returned loss alone; see `build_problem`)."""
+    grad_outputs: which outputs the loss reads ("auto": a returned loss alone; see `build_problem`).
+    outputs_held: "loss" for a loop that drops the outputs the loss does not read before the
+    backward (Hugging Face's Trainer; see `build_problem`)."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     budget = parse_budget(budget)  # so does a bad budget
     # (inputs by keyword, {'input_ids': ids, 'labels': ids, 'use_cache': False}: the model is
@@ -110,6 +113,7 @@ def solve_model(
         zero_pack=zero_pack,
         bitwise=bitwise,
         grad_outputs=grad_outputs,
+        outputs_held=outputs_held,
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)

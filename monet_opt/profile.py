@@ -439,6 +439,7 @@ def build_problem(
     bitwise: bool = False,
     recompute_overhead: float | None = None,
     grad_outputs: str = "auto",
+    outputs_held: str = "all",
 ) -> Problem:
     """Trace `model`, measure every implementation of every node here, return a solver Problem.
 
@@ -468,9 +469,18 @@ def build_problem(
     keyword that returns a loss (a Hugging Face model given `labels=`: a ModelOutput with `loss`)
     is trained on that loss alone, and its other outputs (the logits) get no gradient; any other
     model, every output. "all": every output. The wrapper refuses a gradient on an output the
-    schedule gave none."""
+    schedule gave none.
+
+    outputs_held: which outputs the training loop holds through the backward. "all" (as
+    `out = model(**batch); out.loss.backward()`, which keeps `out`): every output. "loss": only
+    those the loss reads; the loop drops the rest once the loss is computed, before the
+    backward, as Hugging Face's Trainer does (`loss = model(**batch).loss; loss.backward()`), and
+    the schedule may free them then (GPT-2's logits: 196 MiB at batch 8, 128 tokens). The
+    wrapper warns if such an output is still held when its backward starts."""
     if grad_outputs not in ("auto", "all"):
         raise ValueError(f"grad_outputs must be 'auto' or 'all', not {grad_outputs!r}")
+    if outputs_held not in ("all", "loss"):
+        raise ValueError(f"outputs_held must be 'all' or 'loss', not {outputs_held!r}")
     # (inputs by keyword, {'input_ids': ids, 'use_cache': False}: `monet_opt.keyword_inputs`)
     model, example_inputs = as_traceable(model, example_inputs)
     if device is None:
@@ -496,6 +506,7 @@ def build_problem(
             bitwise=bitwise,
             recompute_overhead=recompute_overhead,
             grad_outputs=grad_outputs,
+            outputs_held=outputs_held,
         )
     finally:  # (also when profiling fails midway: the model leaves in the modes it came in)
         restore_training_modes(model, modes)
@@ -517,6 +528,7 @@ def _build_problem(
     bitwise: bool,
     recompute_overhead: float | None,
     grad_outputs: str,
+    outputs_held: str,
 ) -> Problem:
     """`build_problem`'s work, on a model in training mode for profiling (`modes`: the modes it
     came in, restored before calibration)."""
@@ -543,6 +555,13 @@ def _build_problem(
         if loss_outputs is None
         else {n.name for k, n in enumerate(flat_outputs) if k in loss_outputs and isinstance(n, fx.Node)}
     )
+    # outputs_held="loss": the loop drops the outputs the loss does not read before the backward
+    held_refs = output_refs if outputs_held == "all" else grad_refs
+    dropped_outputs = [
+        k
+        for k, n in enumerate(flat_outputs)
+        if isinstance(n, fx.Node) and n.name in op_names and n.name not in held_refs
+    ]
     remaining_users = {n.name: len(n.users) for n in gm.graph.nodes}
     # every isolated backward time includes one autograd engine call, which a training step's
     # shared graph pays once for all its nodes: subtracted from each (the same from every
@@ -704,6 +723,7 @@ def _build_problem(
                 "alias_of": alias_of,
                 "is_output": fx_node.name in output_refs,
                 "output_grad": fx_node.name in grad_refs or fx_node.name not in output_refs,
+                "user_holds": fx_node.name in held_refs or fx_node.name not in output_refs,
             }
         )
         env[fx_node.name] = out
@@ -783,6 +803,8 @@ def _build_problem(
         ),
         # the flat output positions the loss reads (absent: every output; the wrapper checks it)
         **({"grad_outputs": loss_outputs} if loss_outputs is not None else {}),
+        # the flat output positions the loop drops before the backward (`outputs_held`)
+        **({"dropped_outputs": dropped_outputs} if dropped_outputs else {}),
         "profile_seconds": round(time.perf_counter() - started, 2),
         "profile_cache_hits": hits,
         # measurements taken on a busy CPU (now, or served from the cache while still busy)

@@ -261,17 +261,20 @@ def test_loss_inside_bert_traces_its_inline_loss_module():
     _check(model, x, 0.5, "bert loss", input_shape=tuple(x.shape))
 
 
-def check_own_loss(model: nn.Module, inputs: dict, fraction: float, name: str) -> tuple:
+def check_own_loss(
+    model: nn.Module, inputs: dict, fraction: float, name: str, outputs_held: str = "all"
+) -> tuple:
     """A model given its inputs by keyword that returns its own loss: solved at `fraction` of the
     way from the lowest feasible peak to plain's, wrapped from the schedule alone (inputs rebuilt
     from its names), two steps (recorded, replayed) with plain's loss and gradients and its output
-    type, measured peak inside the budget and within 5 % of the prediction. Returns (problem,
+    type, measured peak inside the budget and within 5 % of the prediction. outputs_held="loss":
+    each step drops the output before the backward, keeping the loss. Returns (problem,
     schedule, wrapped)."""
     from monet_opt.bench import zero_grad
     from tests.test_runtime import assert_grads_close
 
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    problem = build_problem(model, inputs, progress=False, repeats=1)
+    problem = build_problem(model, inputs, progress=False, repeats=1, outputs_held=outputs_held)
     _, schedule = solve_model(
         model, inputs, budget_at(problem, fraction), time_limit=10, verbose=False, problem=problem
     )
@@ -287,9 +290,12 @@ def check_own_loss(model: nn.Module, inputs: dict, fraction: float, name: str) -
         expected.loss.backward()
         torch.manual_seed(1)
         out = wrapped(**tensors)  # (the constants may be left out)
-        out.loss.backward()
         assert type(out) is type(expected) and list(out.keys()) == list(expected.keys()), name
         torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=0)
+        loss = out.loss
+        if outputs_held == "loss":
+            del out
+        loss.backward()
         for (key, p), q in zip(model.named_parameters(), plain.parameters()):
             assert_grads_close(p.grad, q.grad, f"{name}, {step} step: grad of {key}")
     zero_grad(model)
@@ -342,3 +348,31 @@ def test_hugging_face_model_by_keyword_trains_on_its_own_loss():
         torch.testing.assert_close(
             wrapped(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits
         )
+
+
+def test_a_loop_that_keeps_only_the_loss_frees_the_logits_before_the_backward():
+    """outputs_held="loss" (Hugging Face's Trainer keeps only the loss): the logits are freed
+    once nothing needs them in the backward; solved, wrapped and measured with a loop that drops
+    the output before the backward: plain's gradients, inside the budget, as predicted. A loop
+    that still holds the output is warned."""
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = _tokens()
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    held = build_problem(model, inputs, progress=False, repeats=1)
+    problem, schedule, wrapped = check_own_loss(model, inputs, 0.3, "gpt2", outputs_held="loss")
+    logits = ids.numel() * 256 * 4
+    assert [n.output_bytes for n in problem.nodes if not n.user_holds] == [logits]
+    assert schedule.meta["dropped_outputs"] == [1] and wrapped.dropped_outputs == [1]
+    # the backward no longer holds them: a no-recompute step peaks lower (here, by the logits)
+    assert solver.simulate(problem, baselines.no_recompute(problem)).peak_bytes <= (
+        solver.simulate(held, baselines.no_recompute(held)).peak_bytes - logits
+    )
+    out = wrapped(**{k: v for k, v in inputs.items() if k != "use_cache"})
+    with pytest.warns(RuntimeWarning, match="still held when the backward starts"):
+        out.loss.backward()
+    with pytest.raises(ValueError, match="outputs_held must be"):
+        build_problem(model, inputs, progress=False, repeats=1, outputs_held="none")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,14 @@ class _SpecBox:
 class _ScheduledStep(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, executor: ScheduleExecutor, box: _SpecBox, grad_outputs, autocast: tuple, n_inputs: int, *tensors
+        ctx,
+        executor: ScheduleExecutor,
+        box: _SpecBox,
+        grad_outputs,
+        dropped: list[int],
+        autocast: tuple,
+        n_inputs: int,
+        *tensors,
     ):
         inputs = tensors[:n_inputs]
         ctx.grad_outputs = grad_outputs
@@ -43,7 +52,11 @@ class _ScheduledStep(torch.autograd.Function):
         ctx.autocast = autocast
         box.spec = spec
         # (an output that is not a tensor, `(logits, None)`, passes through and gets no gradient)
-        return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in flat)
+        outs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in flat)
+        # outputs the loop drops before the backward (`build_problem`'s outputs_held="loss"):
+        # watched, so that one still held when the backward starts is reported
+        ctx.dropped = [(k, weakref.ref(outs[k])) for k in dropped if isinstance(outs[k], torch.Tensor)]
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -66,6 +79,8 @@ class _ScheduledStep(torch.autograd.Function):
                     f"was solved for a loss reading only output(s) {ctx.grad_outputs} (the model's own "
                     "loss): train on that loss, or solve with grad_outputs='all'"
                 )
+        _warn_if_held(ctx.dropped)
+        ctx.dropped = []
         with _autocast(ctx.autocast):
             input_grads = ctx.executor.run_backward(ctx.run, list(grads))
         ctx.run = None
@@ -77,8 +92,24 @@ class _ScheduledStep(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *[input_grads.get(n) for n in names],
             *[input_grads.get(("param", id(p))) for p in params],
+        )
+
+
+def _warn_if_held(dropped: list[tuple[int, weakref.ref]]) -> None:
+    held = [(k, r()) for k, r in dropped if r() is not None]
+    if held:
+        k, tensor = held[0]
+        mib = sum(x.untyped_storage().nbytes() for _, x in held) / 2**20
+        warnings.warn(
+            f"monet-opt: the model's output {k} (shape {list(tensor.shape)}) is still held when the "
+            "backward starts, but the schedule was solved for a loop that drops it once the loss is "
+            f"computed (outputs_held='loss'): this step may use up to {mib:.1f} MiB more than predicted. "
+            "Keep only the loss (`loss = model(**batch).loss`), or solve with outputs_held='all'",
+            RuntimeWarning,
+            stacklevel=2,
         )
 
 
@@ -217,6 +248,8 @@ class MonetWrapper(nn.Module):
         # the flat output positions the schedule's loss reads (None: every output; a model that
         # returns its loss is solved for it alone, `build_problem`'s grad_outputs)
         self.grad_outputs = self.schedule.meta.get("grad_outputs")
+        # the flat output positions the training loop drops before the backward (outputs_held)
+        self.dropped_outputs = list(self.schedule.meta.get("dropped_outputs", []))
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self.input_dtypes = [x.dtype for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
@@ -256,7 +289,14 @@ class MonetWrapper(nn.Module):
         box = _SpecBox()
         params = [p for p in self._all_params if p.requires_grad]
         flat = _ScheduledStep.apply(
-            self.executor, box, self.grad_outputs, _autocast_state(device_type), len(inputs), *inputs, *params
+            self.executor,
+            box,
+            self.grad_outputs,
+            self.dropped_outputs,
+            _autocast_state(device_type),
+            len(inputs),
+            *inputs,
+            *params,
         )
         out = tree_unflatten(list(flat), box.spec)
         if self._keyword_root is not None:  # the model's own output structure (a ModelOutput)
