@@ -12,6 +12,8 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   A[s,i,m]  i's state (made with impl m) is held when stage s starts (s >= 1)
   R[s,i,m]  i is recomputed with impl m in stage s, before the backward of t_s
             (i an ancestor of t_s or t_s itself; never a storage the user holds)
+            (outputs the user holds, and their bases: S = 1 at every stage; an output the user
+            drops once the loss is computed, `Node.user_holds` False: S[0] = 1 only)
   P[s,j,k]  (continuous) value j, recomputed in stage s, is still live from its k-th
             consumer step on (a later consumer is recomputed in s, or it is carried)
 
