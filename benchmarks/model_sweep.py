@@ -16,7 +16,8 @@ batch 2, 64x64 where the model takes it, three segmentation and two video models
 DIR/model_sweep_hf.md or DIR/model_sweep_tv.md. hf-loss: the same Hugging Face models themselves,
 given `{'input_ids': x, 'labels': x}` (and `use_cache=False` where the forward takes it) and
 trained on the loss they return (`tests.test_transformers_timm.check_own_loss`), to
-DIR/model_sweep_hf_loss.md.
+DIR/model_sweep_hf_loss.md; with `--outputs-held loss`, solved for and run by a loop that drops
+the output before the backward, to DIR/model_sweep_hf_loss_dropped.md.
 """
 
 from __future__ import annotations
@@ -173,14 +174,14 @@ T._check(model, x, 0.5, name, input_shape=tuple(x.shape))
 ONE_HF_LOSS = """
 import inspect, sys, torch, transformers
 import tests.test_transformers_timm as T
-name, config, cls, kw = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+name, config, cls, kw, held = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4]), sys.argv[5]
 torch.manual_seed(0)
 model = getattr(transformers, cls)(getattr(transformers, config)(vocab_size=256, **kw)).train()
 x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
 inputs = {"input_ids": x, "labels": x}
 if "use_cache" in inspect.signature(model.forward).parameters:
     inputs["use_cache"] = False
-T.check_own_loss(model, inputs, 0.5, name)
+T.check_own_loss(model, inputs, 0.5, name, outputs_held=held)
 """
 
 ONE_TV = """
@@ -226,6 +227,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
+    ap.add_argument(
+        "--outputs-held",
+        choices=("all", "loss"),
+        default="all",
+        help="hf-loss: 'loss' solves for, and runs, a loop that drops the output before the backward",
+    )
     args = ap.parse_args(argv)
     if args.family == "timm":
         runs = [
@@ -238,9 +245,9 @@ def main(argv=None) -> int:
             for name, shape, kw in TV_MODELS
         ]
     else:  # hf: token ids in, logits out; hf-loss: the model itself, by keyword, on its own loss
-        script = ONE_HF if args.family == "hf" else ONE_HF_LOSS
+        script, held = (ONE_HF, []) if args.family == "hf" else (ONE_HF_LOSS, [args.outputs_held])
         runs = [
-            (name, "8x64", [script, name, config, cls, repr(kw)], {}, False)
+            (name, "8x64", [script, name, config, cls, repr(kw), *held], {}, False)
             for name, config, cls, kw in HF_MODELS
         ]
     runs = [r for r in runs if not args.only or r[0] in args.only]
@@ -267,6 +274,7 @@ def main(argv=None) -> int:
             f"### {title} models through the pipeline ({started})",
             "",
             f"`python benchmarks/model_sweep.py --family {args.family}"
+            f"{' --outputs-held loss' if args.outputs_held == 'loss' else ''}"
             f"{' --only ' + ' '.join(args.only) if args.only else ''}`: {passed} of {len(rows)} rows pass "
             f"(10-s solves at {0.4 if images else 0.5} of the way from the lowest feasible "
             "peak to plain's; gradients, budget and prediction checked as the tests do).",
@@ -284,7 +292,9 @@ def main(argv=None) -> int:
         / {
             "timm": "model_sweep.md",
             "hf": "model_sweep_hf.md",
-            "hf-loss": "model_sweep_hf_loss.md",
+            "hf-loss": "model_sweep_hf_loss.md"
+            if args.outputs_held == "all"
+            else "model_sweep_hf_loss_dropped.md",
             "torchvision": "model_sweep_tv.md",
         }[args.family]
     )
