@@ -449,6 +449,26 @@ def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary file left
 
 
+def _with_node(problem: Problem, k: int, **changes) -> Problem:
+    """`problem` with node k's fields changed (validated as any problem is)."""
+    nodes = list(problem.nodes)
+    nodes[k] = dataclasses.replace(nodes[k], **changes)
+    return dataclasses.replace(problem, nodes=tuple(nodes))
+
+
+def _read_as_older_format(problem: Problem, tmp_path, version: int, field: str) -> Problem:
+    """`problem` written to JSON (it reads back unchanged), then read as a file of format
+    `version`, whose nodes had no `field`."""
+    path = tmp_path / "p.json"
+    problem.to_json(path)
+    assert Problem.from_json(path) == problem
+    data = json.loads(path.read_text())
+    data["format_version"] = version
+    for n in data["nodes"]:
+        del n[field]
+    return Problem.from_dict(data)
+
+
 def test_an_output_the_loss_does_not_read_gets_no_gradient(tmp_path):
     """`Node.output_grad` False (a language model's logits beside the loss it returns): the user
     holds the output, but gives it no gradient; simulator and MILP count the same."""
@@ -456,9 +476,7 @@ def test_an_output_the_loss_does_not_read_gets_no_gradient(tmp_path):
     last = base.nodes[-2]  # the value the loss reads, now also returned
 
     def returned(output_grad: bool) -> Problem:
-        nodes = list(base.nodes)
-        nodes[-2] = dataclasses.replace(last, is_output=True, output_grad=output_grad)
-        return dataclasses.replace(base, nodes=tuple(nodes))
+        return _with_node(base, -2, is_output=True, output_grad=output_grad)
 
     read, unread = returned(True), returned(False)
     # the read one's gradient is made by the user and held to the step's end (the engine holds
@@ -474,17 +492,10 @@ def test_an_output_the_loss_does_not_read_gets_no_gradient(tmp_path):
     assert s.meta.get("milp_objective") is None or s.meta["milp_objective"] == pytest.approx(
         sim.time_s, rel=1e-6
     )
-    unread.to_json(tmp_path / "p.json")
-    assert Problem.from_json(tmp_path / "p.json") == unread
-    data = json.loads((tmp_path / "p.json").read_text())
-    data["format_version"] = 8  # before the field: every output got a gradient
-    for n in data["nodes"]:
-        del n["output_grad"]
-    assert Problem.from_dict(data) == read
+    # before the field (format 8): every output got a gradient
+    assert _read_as_older_format(unread, tmp_path, 8, "output_grad") == read
     with pytest.raises(ProblemError, match="output_grad False on a node that is not an output"):
-        nodes = list(base.nodes)
-        nodes[2] = dataclasses.replace(nodes[2], output_grad=False)
-        dataclasses.replace(base, nodes=tuple(nodes))
+        _with_node(base, 2, output_grad=False)
 
 
 def _language_model(user_holds: bool) -> Problem:
@@ -535,17 +546,10 @@ def test_an_output_the_user_drops_before_the_backward_is_freed_by_the_schedule(t
         solve(held, budget, time_limit=3, verbose=False)
     s = solve(dropped, budget, time_limit=3, verbose=False)
     assert simulate(dropped, s).peak_bytes <= budget
-    dropped.to_json(tmp_path / "p.json")
-    data = json.loads((tmp_path / "p.json").read_text())
-    assert Problem.from_dict(data) == dropped
-    data["format_version"] = 9  # before the field: the user held every output
-    for n in data["nodes"]:
-        del n["user_holds"]
-    assert Problem.from_dict(data) == held
+    # before the field (format 9): the user held every output
+    assert _read_as_older_format(dropped, tmp_path, 9, "user_holds") == held
     with pytest.raises(ProblemError, match="user_holds False on a node that is not an output"):
-        nodes = list(held.nodes)
-        nodes[2] = dataclasses.replace(nodes[2], user_holds=False)
-        dataclasses.replace(held, nodes=tuple(nodes))
+        _with_node(held, 2, user_holds=False)
 
 
 def test_a_dropped_output_is_counted_to_the_end_of_the_forward():
@@ -556,12 +560,8 @@ def test_a_dropped_output_is_counted_to_the_end_of_the_forward():
     from solver.schedule import SolverInfo
 
     base = chain(8, seed=1)
-    nodes = list(base.nodes)
-    big = 8 * nodes[2].output_bytes  # (so that holding it to the forward's end matters)
-    nodes[2] = dataclasses.replace(
-        nodes[2], output_bytes=big, is_output=True, output_grad=False, user_holds=False
-    )
-    p = dataclasses.replace(base, nodes=tuple(nodes))
+    big = 8 * base.nodes[2].output_bytes  # (so that holding it to the forward's end matters)
+    p = _with_node(base, 2, output_bytes=big, is_output=True, output_grad=False, user_holds=False)
     an = B.analysis(p)
     form = Formulation(an, None)
     res = form.solve_milp(10, mip_gap=0.0)
