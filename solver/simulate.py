@@ -130,7 +130,8 @@ class _Replay:
         self.live = problem.fixed_bytes
         self.peak = self.live
         self.backward_started = False
-        self.user_keys: dict[str, tuple[str, int]] = {}  # output -> the storage copy the user holds
+        # outputs the user drops once the loss is computed -> the storage copy held until then
+        self.dropped_keys: dict[str, tuple[str, int]] = {}
 
     # -- storage bookkeeping ---------------------------------------------------
     def _new_copy(self, node: Node) -> tuple[str, int]:
@@ -219,13 +220,14 @@ class _Replay:
                 if n.name not in self.handle:
                     raise ScheduleInvalid(f"stage 'forward': output {n.name!r} is not held at its end")
                 self._hold(self.handle[n.name], ("user", n.name))
-                self.user_keys[n.name] = self.handle[n.name]
+                if not n.user_holds:
+                    self.dropped_keys[n.name] = self.handle[n.name]
 
     def _start_backward(self) -> None:
         self.backward_started = True
-        for n in self.p.nodes:  # (outputs the user dropped once the loss was computed)
-            if n.is_output and not n.user_holds and n.name in self.user_keys:
-                self._release(self.user_keys.pop(n.name), ("user", n.name))
+        for name, key in self.dropped_keys.items():
+            self._release(key, ("user", name))
+        self.dropped_keys.clear()
         for n in self.p.nodes:
             if n.is_output and n.output_grad and n.requires_backward and n.name not in self.grads:
                 buf = self._new_grad(n.grad_bytes)
