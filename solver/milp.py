@@ -197,6 +197,16 @@ STALL_SHARE = 0.5
 RINS_LP_SHARE = 0.3
 RINS_SUB_LIMIT_S = 20.0
 RINS_ROUNDS = 4
+# ... in the first window, one round of RINS from each of up to RINS_STARTS fitting plans (the
+# fastest that the window's rows accept; each in its own MILP, built around it) in this share of
+# the remaining time, before the rounds go on from the best. Where RINS ends depends on where it
+# starts, not on how fast the start is: ResNet-50 b8 224 (session-21 problems), RINS from four
+# multilevel plans: kept 0.4 1.578 / 1.642 / 1.617 / 1.638 s (the fastest start gave the best),
+# Adam 0.33 1.657 / 1.563 / 1.560 / 1.738 s
+RINS_STARTS = 3
+RINS_STARTS_SHARE = 0.5
+# ... a further start only with this many seconds left per start
+RINS_START_MIN_S = 3.0
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 # forward memory rows: terms carried from step to step before they fold into one column
@@ -1792,6 +1802,7 @@ def _ladder(
         return proven, widest
 
     started = None  # (when the previous window's iteration started, its window)
+    started_rins = False  # RINS has run from several starts (the first window that runs it)
     for w in window_ladder(window, an.n):
         now = time.perf_counter()
         remaining = deadline - now
@@ -1835,22 +1846,31 @@ def _ladder(
             f"{form.n_rows} rows, built in {form.build_time_s:.2f} s",
         )
         if budget_bytes is not None and warm is not None:
-            # the plan RINS finds is a plan of this window's MILP, which starts from it
-            relaxations: list[MilpResult] = []
-            improved = _rins(
+            # the plan RINS finds is a plan of this window's MILP, which starts from it; in the
+            # first window, RINS starts from several plans, and the MILP of the best goes on
+            solved: list[tuple] = []  # (LP relaxation, its Formulation)
+            others = [] if started_rins else [c for c in candidates if c is not warm_plan]
+            started_rins = True
+            form, improved = _rins_from_starts(
+                an,
+                budget_bytes,
+                w,
                 form,
                 warm_plan,
+                others,
                 deadline,
                 threads,
                 verbose,
                 lambda plan, obj: accept(plan, obj, len(results)),
-                relaxations=relaxations,
+                solved,
             )
-            for lp in relaxations:
-                # the relaxation's optimum bounds this MILP too; HiGHS' own run may end before its
+            warm = form.plan_to_vector(warm_plan) if improved is None else None
+            relaxations = [lp for lp, f in solved if f is form]
+            for lp, f in solved:
+                # the relaxation's optimum bounds its MILP too; HiGHS' own run may end before its
                 # root LP does (ResNet-50 b8 224, Adam, 0.25: stopped in presolve, reported bound
                 # 1.466 against the relaxation's 1.687)
-                bounds.append((w, lp, form))
+                bounds.append((w, lp, f))
                 attempts.append({**_attempt(what, w, lp), "status": "lp_relaxation"})
             if improved is not None:
                 warm_plan = improved
@@ -1976,8 +1996,67 @@ def _attempt(what: str, window: int | None, res: MilpResult) -> dict:
     }
 
 
+def _rins_from_starts(
+    an, budget_bytes, window, form, plan, others, deadline, threads, verbose, accept, solved
+) -> tuple[Formulation, Plan | None]:
+    """RINS from `plan` in `form`, and first from up to RINS_STARTS - 1 of `others` (fitting
+    plans, fastest first; each in a window-`window` MILP built around it, if its rows accept it):
+    one round from each in RINS_STARTS_SHARE of the time left, then the rest of the rounds from
+    the best plan found, in its MILP. (One MILP holding every start has more columns, and RINS'
+    neighbourhoods in it are wider: ResNet-50 b8 224, Adam step in the backward, at 0.25, RINS
+    from multilevel's plan found 1.674 s in 6.4 s in the MILP around it, nothing in 7 s in the
+    MILP around three plans.) Returns (the MILP of the plan RINS ended with, that plan, or None
+    if RINS found nothing better than the best so far); every LP relaxation solved is appended
+    to `solved` as (its MilpResult, its Formulation)."""
+    starts = [(form, plan)]
+    for other in others:
+        if len(starts) >= RINS_STARTS or deadline - time.perf_counter() < RINS_START_MIN_S * (
+            len(starts) + 1
+        ):
+            break
+        built = Formulation(an, budget_bytes, window=window, warm_plan=other, backend=form.backend)
+        if not built.violations(built.plan_to_vector(other)):
+            starts.append((built, other))
+    if len(starts) == 1:
+        found: list[MilpResult] = []
+        got = _rins(form, plan, deadline, threads, verbose, accept, relaxations=found)
+        solved.extend((lp, form) for lp in found)
+        return form, got
+    log(verbose, f"RINS from {len(starts)} starts")
+    phase_end = time.perf_counter() + RINS_STARTS_SHARE * (deadline - time.perf_counter())
+    winner = None  # (MILP, plan, LP relaxation) of the last start whose round beat every other
+    for k, (f, start) in enumerate(starts):
+        now = time.perf_counter()
+        if deadline - now < 2.0:
+            break
+        # (the LP takes what it needs; the round, what is left of this start's share)
+        lp = f.solve_milp(RINS_LP_SHARE * (deadline - now), threads=threads, relax=True)
+        if lp.x is None or lp.status != "optimal":
+            log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+            continue
+        solved.append((lp, f))
+        log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
+        got = _rins(
+            f, start, now + (phase_end - now) / (len(starts) - k), threads, verbose, accept, rounds=1, lp=lp
+        )
+        if got is not None:
+            winner = (f, got, lp)
+    if winner is None:
+        return form, None
+    f, got, lp = winner
+    return f, _rins(f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp) or got
+
+
 def _rins(
-    form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept, relaxations=None
+    form: Formulation,
+    plan: Plan,
+    deadline: float,
+    threads: int,
+    verbose: bool,
+    accept,
+    relaxations=None,
+    rounds: int = RINS_ROUNDS,
+    lp: MilpResult | None = None,
 ) -> Plan | None:
     """Relaxation-induced neighbourhood search (Danna, Rothberg & Le Pape 2005) from `plan`.
 
@@ -1987,24 +2066,25 @@ def _rins(
     at 0.33 (window 6) those took 42 s before its RINS took the multilevel plan from +60 % to
     +35 % predicted; the bare LP takes 2 s and the neighbourhood MILP 4 s to reach +38 %.
     Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None.
-    relaxations: a list the solved LP relaxation is appended to (its objective bounds the MILP)."""
+    relaxations: a list the solved LP relaxation is appended to (its objective bounds the MILP).
+    rounds: at most this many; lp: `form`'s LP relaxation, if solved before (else solved here)."""
     remaining = deadline - time.perf_counter()
-    if remaining < 2.0:
-        return None
-    lp = form.solve_milp(RINS_LP_SHARE * remaining, threads=threads, relax=True)
-    if lp.x is None or lp.status != "optimal":
-        log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
-        return None
-    if relaxations is not None:
-        relaxations.append(lp)
+    if lp is None:
+        if remaining < 2.0:
+            return None
+        lp = form.solve_milp(RINS_LP_SHARE * remaining, threads=threads, relax=True)
+        if lp.x is None or lp.status != "optimal":
+            log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+            return None
+        if relaxations is not None:
+            relaxations.append(lp)
+        log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
     integer = np.flatnonzero(np.asarray(form.md.integer))
     x = form.plan_to_vector(plan)
     current = form.objective(x)
-    log(
-        verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s, incumbent {current:.4f}"
-    )
+    log(verbose, f"RINS from {current:.4f}")
     best = None
-    for rnd in range(RINS_ROUNDS):
+    for rnd in range(rounds):
         remaining = deadline - time.perf_counter()
         if remaining < 1.0:
             break

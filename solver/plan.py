@@ -644,6 +644,23 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
     return stages
 
 
+def plan_time(an: Analysis, plan: Plan) -> float:
+    """The time of a valid plan without emitting or simulating it (a search's filter: the
+    simulator's time is what counts): every node's forward, each recompute's
+    `recompute_time`, and each backward with the implementation of the state it uses (the
+    latest made with grad, else the forward's)."""
+    impls = an.impls
+    total = sum(impls[i][m].fwd_time for i, m in enumerate(plan.impl))
+    state = {i: plan.impl[i] for i in plan.F if an.rb[i]}
+    for s, t in enumerate(an.bw):
+        for i, m, g in plan.stages[s].recompute:
+            total += an.recompute_time(i, m)
+            if g and an.rb[i] and not an.is_restore(i, m):
+                state[i] = m
+        total += impls[t][state[t]].bwd_time
+    return total
+
+
 def to_schedule(
     an: Analysis,
     plan: Plan,

@@ -265,20 +265,20 @@ def _below_every_baseline():
     """(the lowest baseline peak without multilevel, the peak MILP's schedule) on the synthetic
     ResNet-50 problem: shared by the tests that solve between the two (10 s of MILP)."""
     p = PROBLEMS["resnet50"]
-    original = B.multilevel
-    B.multilevel = lambda *args, **kwargs: None
+    original = B.multilevel_starts
+    B.multilevel_starts = lambda *args, **kwargs: []
     try:
         known = min(s.predicted_peak_bytes for s in B.all_baselines(p, None).values())
         low = minimum_peak(p, time_limit=10, verbose=False)
     finally:
-        B.multilevel = original
+        B.multilevel_starts = original
     return known, low
 
 
 def test_solve_below_every_baseline_uses_the_peak_milp(monkeypatch):
     """A budget no baseline reaches: solve() first minimises the peak, then fits the budget.
     (Without the multilevel baseline, whose peak the MILP barely beats on this problem.)"""
-    monkeypatch.setattr(B, "multilevel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(B, "multilevel_starts", lambda *args, **kwargs: [])
     p = PROBLEMS["resnet50"]
     known, low = _below_every_baseline()
     if low.predicted_peak_bytes >= known:
@@ -302,7 +302,7 @@ def test_time_spent_before_the_first_time_milp_still_returns_the_fitting_plan(mo
         time.sleep(max(0.0, deadline - time.perf_counter()))
         return None
 
-    monkeypatch.setattr(B, "multilevel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(B, "multilevel_starts", lambda *args, **kwargs: [])
     monkeypatch.setattr(M, "_rins", slow_rins)
     p = PROBLEMS["resnet50"]
     known, low = _below_every_baseline()
@@ -676,7 +676,7 @@ def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch
 
     started = []
 
-    def rins(form, plan, deadline, threads, verbose, accept, relaxations=None):
+    def rins(form, plan, deadline, threads, verbose, accept, relaxations=None, **kwargs):
         started.append(
             (form.window, np.array_equal(form.plan_to_vector(plan), form.plan_to_vector(rejected)))
         )
@@ -988,3 +988,109 @@ def test_a_recomputation_makes_no_second_state_beside_a_held_one():
     assert form.solve_highs(10, fixed=switch).status == "infeasible"
     keep = {**switch, form.A[s + 1][i][other]: 0.0, form.A[s + 1][i][m]: 1.0}  # carrying m is fine
     assert form.solve_highs(10, fixed=keep).plan is not None
+
+
+@pytest.mark.parametrize("name, frac", [("resnet_bneck60", 0.6), ("transformer2", 0.6), ("random24", 0.9)])
+def test_plan_time_is_the_simulated_time(name, frac):
+    """`plan_time` (the search's filter, from the plan alone) equals the simulator's time for
+    every baseline's plan and for the MILP's plans (whose recomputes may use another
+    implementation than the forward's, and whose backward then uses that one)."""
+    from solver.milp import _solve
+    from solver.plan import plan_time
+
+    p = PROBLEMS[name]
+    an = B.analysis(p)
+    peak0 = B.no_recompute(p).predicted_peak_bytes
+    schedules = list(B.all_baselines(p, int(frac * peak0), greedy_time=1.0).values())
+    sched, plan = _solve(p, int(frac * peak0), time_limit=3, verbose=False)
+    assert plan is not None
+    for s in schedules:
+        assert plan_time(an, B.plan_of(p, s)) == pytest.approx(simulate(p, s).time_s, rel=1e-12, abs=1e-15)
+    assert plan_time(an, plan) == pytest.approx(simulate(p, sched).time_s, rel=1e-12, abs=1e-15)
+
+
+def test_multilevel_starts_are_the_refined_plan_then_other_fitting_ones():
+    """`multilevel_starts`: the refined plan (what `multilevel` returns) first, then other
+    fitting policies as scanned (unrefined), each distinct in time, none faster than the first."""
+    p = PROBLEMS["resnet50"]
+    budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
+    starts = B.multilevel_starts(p, budget, time_limit=3.0, starts=3)
+    assert len(starts) == 4
+    for s in starts:
+        _check(p, s, budget)
+        assert s.strategy == "multilevel"
+    times = [s.predicted_time_s for s in starts]
+    assert len(set(times)) == len(times)
+    assert times[0] == min(times)
+    names = B.all_baselines(p, budget, greedy_time=1.0)
+    assert {"multilevel", "multilevel_start1", "multilevel_start2"} <= set(names)
+
+
+def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
+    """RINS from several starts, each in the window's MILP built around it: one round from each,
+    then the plan returned is the fastest any start led to, a plan of the MILP returned (which
+    HiGHS and polishing go on with), and each LP relaxation solved bounds its own MILP."""
+    import time
+
+    from solver.milp import _rins_from_starts
+
+    p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
+    start = B.chen_sqrt(p)
+    budget = start.predicted_peak_bytes
+    an = B.analysis(p)
+    plan = B.plan_of(p, start)
+    others = [B.plan_of(p, s) for s in B.multilevel_starts(p, budget, time_limit=2.0, starts=2)]
+    form = Formulation(an, budget, window=6, warm_plan=plan)
+    found: list[float] = []
+
+    def keep(plan, objective):
+        sched = to_schedule(an, plan, "milp", SolverInfo(name="highs-milp"), budget)
+        sim = _check(p, sched, budget)
+        if found and sim.time_s >= found[-1]:
+            return False
+        found.append(sim.time_s)
+        return True
+
+    solved: list[tuple] = []
+    end_form, best = _rins_from_starts(
+        an, budget, 6, form, plan, others, time.perf_counter() + 40.0, 2, True, keep, solved
+    )
+    log = capsys.readouterr().err
+    assert "RINS from 3 starts" in log, log
+    assert len({id(f) for _lp, f in solved}) == 3  # one relaxation per start's MILP
+    assert best is not None
+    x = end_form.plan_to_vector(best)
+    assert not end_form.violations(x)
+    assert end_form.objective(x) == pytest.approx(found[-1], rel=1e-9)
+    for lp, f in solved:
+        if f is end_form:
+            assert lp.objective <= found[-1] + 1e-9
+
+
+def test_multilevel_local_search_replays_at_most_max_evals(monkeypatch):
+    """The multilevel local search is bounded by replays, not only by time (the same plan on any
+    machine fast enough): with `max_evals` k it replays at most k schedules after the scan, and
+    more replays never give a slower plan; with time to spare the result repeats exactly."""
+    p = PROBLEMS["resnet50"]
+    budget = int(0.45 * B.no_recompute(p).predicted_peak_bytes)
+    replays = []
+    real = B._MultiLevel.schedule
+
+    def counted(self, *args):
+        replays.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(B._MultiLevel, "schedule", counted)
+    results = {}
+    for max_evals in (0, 5, 10_000):
+        replays.clear()
+        first = B.multilevel_starts(p, budget, time_limit=60.0, starts=0, max_evals=max_evals)[0]
+        _check(p, first, budget)
+        results[max_evals] = (first.predicted_time_s, len(replays))
+    scan = results[0][1]  # the scan's replays alone
+    assert results[5][1] <= scan + 5
+    assert results[10_000][1] > scan + 5  # (the search makes more than 5 on this problem)
+    assert results[10_000][0] <= results[5][0] <= results[0][0]
+    assert results[10_000][0] < results[0][0]
+    again = B.multilevel_starts(p, budget, time_limit=60.0, starts=0, max_evals=10_000)[0]
+    assert again.predicted_time_s == results[10_000][0]
