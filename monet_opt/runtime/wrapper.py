@@ -102,7 +102,9 @@ def _warn_if_held(dropped: list[tuple[int, weakref.ref]]) -> None:
     held = [(k, r()) for k, r in dropped if r() is not None]
     if held:
         k, tensor = held[0]
-        mib = sum(x.untyped_storage().nbytes() for _, x in held) / 2**20
+        # (outputs sharing a storage, e.g. views of one tensor, count it once)
+        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for _, x in held}
+        mib = sum(storages.values()) / 2**20
         warnings.warn(
             f"monet-opt: the model's output {k} (shape {list(tensor.shape)}) is still held when the "
             "backward starts, but the schedule was solved for a loop that drops it once the loss is "
