@@ -67,14 +67,17 @@ def policy_schedule(
     solver_name: str | None = None,
     levels=(),
     split=(),
+    plan: Plan | None = None,
 ) -> Schedule:
     """Schedule of a policy: impl (list of impl indices or {node: impl name}), F, K and the finer
-    checkpoint levels [K2, K3, ...] (node indices; see `lazy_plan`)."""
+    checkpoint levels [K2, K3, ...] (node indices; see `lazy_plan`); `plan`: its lazy plan, if
+    made before."""
     an = analysis(problem)
     if F is None:
         F = {i for i in range(an.n) if an.rb[i]}
     impl = _impl_indices(an, impl)
-    plan = lazy_plan(an, impl, set(F), set(K), levels, frozenset(split))
+    if plan is None:
+        plan = lazy_plan(an, impl, set(F), set(K), levels, frozenset(split))
     policy = {
         "impl": {an.names[i]: an.impls[i][m].name for i, m in enumerate(impl) if m != 0},
         "F": [an.names[i] for i in sorted(F)],
@@ -229,7 +232,7 @@ def _inner_cuts(an: Analysis, coarse: list[int]) -> list[int]:
 
 # schedules `multilevel` may replay in its local search: ResNet-50 b8 224 (175 nodes) at 0.4
 # of its no-recompute peak, kept gradients, reached its local optimum (1.7017 s) after 1210
-# replays, 24 s on this 2-core machine; 400 reach 1.7154 s, 7.6 s with the scan before them
+# replays, 24 s on this 2-core machine; 400 reach 1.7154 s, 6.8 s with the scan before them
 REFINE_EVALS = 400
 
 
@@ -336,12 +339,12 @@ class _MultiLevel:
             levels.append(frozenset(v for c in self.fine for v in cross[c]) - K - levels[0])
         return K, levels
 
-    def time(self, an, coarse) -> float:
-        """The policy's time, from its plan alone (`plan_time`)."""
+    def plan(self, an, coarse) -> Plan:
         K, levels = self._kept(an, coarse)
-        return plan_time(an, lazy_plan(an, self.impl, set(self.F), K, levels, self.split))
+        return lazy_plan(an, self.impl, set(self.F), K, levels, self.split)
 
-    def schedule(self, problem, an, coarse, budget) -> Schedule:
+    def schedule(self, problem, an, coarse, budget, plan: Plan | None = None) -> Schedule:
+        """The policy's schedule (`plan`: its `plan`, if made before)."""
         K, levels = self._kept(an, coarse)
         return policy_schedule(
             problem,
@@ -352,6 +355,7 @@ class _MultiLevel:
             budget_bytes=budget,
             levels=levels,
             split=self.split,
+            plan=plan,
         )
 
 
@@ -411,9 +415,12 @@ def _refine(problem, an, coarse, inner, fast, low, budget, config, sched, deadli
         cand = apply(config, moves[k])
         k = (k + 1) % len(moves)
         since += 1
-        if cand is None or cand.time(an, coarse) >= sched.predicted_time_s - 1e-9:
+        if cand is None:
+            continue
+        plan = cand.plan(an, coarse)
+        if plan_time(an, plan) >= sched.predicted_time_s - 1e-9:
             continue  # (no faster: not worth emitting and simulating)
-        s2 = cand.schedule(problem, an, coarse, budget)
+        s2 = cand.schedule(problem, an, coarse, budget, plan)
         evals[0] -= 1
         if s2.predicted_peak_bytes <= budget and s2.predicted_time_s < sched.predicted_time_s - 1e-9:
             config, sched, since = cand, s2, 0

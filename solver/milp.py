@@ -1864,7 +1864,6 @@ def _ladder(
                 lambda plan, obj: accept(plan, obj, len(results)),
                 solved,
             )
-            warm = form.plan_to_vector(warm_plan) if improved is None else None
             relaxations = [lp for lp, f in solved if f is form]
             for lp, f in solved:
                 # the relaxation's optimum bounds its MILP too; HiGHS' own run may end before its
@@ -2030,12 +2029,10 @@ def _rins_from_starts(
         if deadline - now < 2.0:
             break
         # (the LP takes what it needs; the round, what is left of this start's share)
-        lp = f.solve_milp(RINS_LP_SHARE * (deadline - now), threads=threads, relax=True)
-        if lp.x is None or lp.status != "optimal":
-            log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+        lp = _relaxation(f, RINS_LP_SHARE * (deadline - now), threads, verbose)
+        if lp is None:
             continue
         solved.append((lp, f))
-        log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
         got = _rins(
             f, start, now + (phase_end - now) / (len(starts) - k), threads, verbose, accept, rounds=1, lp=lp
         )
@@ -2045,6 +2042,16 @@ def _rins_from_starts(
         return form, None
     f, got, lp = winner
     return f, _rins(f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp) or got
+
+
+def _relaxation(form: Formulation, seconds: float, threads: int, verbose: bool) -> MilpResult | None:
+    """`form`'s LP relaxation solved within `seconds` (RINS' start), or None if not optimal."""
+    lp = form.solve_milp(seconds, threads=threads, relax=True)
+    if lp.x is None or lp.status != "optimal":
+        log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+        return None
+    log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
+    return lp
 
 
 def _rins(
@@ -2072,13 +2079,11 @@ def _rins(
     if lp is None:
         if remaining < 2.0:
             return None
-        lp = form.solve_milp(RINS_LP_SHARE * remaining, threads=threads, relax=True)
-        if lp.x is None or lp.status != "optimal":
-            log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+        lp = _relaxation(form, RINS_LP_SHARE * remaining, threads, verbose)
+        if lp is None:
             return None
         if relaxations is not None:
             relaxations.append(lp)
-        log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
     integer = np.flatnonzero(np.asarray(form.md.integer))
     x = form.plan_to_vector(plan)
     current = form.objective(x)
