@@ -712,13 +712,15 @@ def test_time_left_after_polishing_goes_to_highs_and_its_bound_counts(monkeypatc
 
     monkeypatch.setattr(M.Formulation, "solve_highs", short_first_run)
     monkeypatch.setattr(M, "_polish", lambda *args, **kwargs: None)
+    # (no RINS: how long its rounds take varies with the machine's load, and what they leave for
+    # the run after polishing must not; a CI run left 3.8 s, under FINAL_RUN_MIN_S)
+    monkeypatch.setattr(M, "_rins_from_starts", lambda an, b, w, form, *args, **kwargs: (form, None))
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
-    s = solve(p, budget, time_limit=12, window=6, verbose=False)
+    s = solve(p, budget, time_limit=16, window=6, verbose=False)
     _check(p, s, budget)
     attempts = s.meta["milp_attempts"]
     assert len(calls) == 2, calls
-    attempts = [a for a in attempts if a["status"] != "lp_relaxation"]  # (RINS's relaxation)
     assert attempts[0]["status"] == "time_limit" and not attempts[0].get("after_polishing")
     assert attempts[-1]["after_polishing"] and attempts[-1]["seconds"] >= M.FINAL_RUN_MIN_S - 1.0
     bounds = [a["bound"] for a in attempts if a["bound"] is not None]
