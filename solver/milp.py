@@ -1219,9 +1219,14 @@ def _add_state_terms(an, states: dict, cols: list, coefs: list) -> None:
                 coefs.append(st)
 
 
+# when the solve that is logging started (`solve`, `minimum_peak`): each log line says the
+# seconds since, so a log shows where the time went
+_log_start = [time.perf_counter()]
+
+
 def log(verbose: bool, msg: str) -> None:
     if verbose:
-        print(f"[solver] {msg}", file=sys.stderr, flush=True)
+        print(f"[solver {time.perf_counter() - _log_start[0]:5.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _mib(n: int) -> str:
@@ -1292,6 +1297,7 @@ def _solve(
     from solver.simulate import simulate
 
     t_start = time.perf_counter()
+    _log_start[0] = t_start
     deadline = t_start + float(time_limit)
     check_backend(solver)
     name = f"{solver}-milp"
@@ -1611,6 +1617,7 @@ def minimum_peak(
     from solver.simulate import simulate
 
     t_start = time.perf_counter()
+    _log_start[0] = t_start
     an = analysis(problem)
     lb = min_feasible_lower_bound(problem)
     check_backend(solver)
@@ -1642,6 +1649,7 @@ def minimum_peak(
     start = low.best[2] if low.best is not None and low.best[0].predicted_peak_bytes <= target else None
     if start_peak is not None and start_peak < target:  # (the window's rows rejected start_plan)
         target, start = start_peak, start_plan
+    log(verbose, f"now the fastest schedule at {_mib(int(target))} (a solve of its own: times restart)")
     sched = solve(
         problem,
         int(target),
