@@ -70,7 +70,7 @@ def _check(
     problem = build_problem(model, (x,), progress=False, repeats=1)
     # solve_model: the schedule carries the problem's metadata (input shapes and dtypes)
     _, schedule = solve_model(
-        model, (x,), budget_at(problem, fraction), time_limit=10, verbose=False, problem=problem
+        model, (x,), budget_at(problem, fraction), time_limit=4, verbose=False, problem=problem
     )
     wrapped = MonetWrapper(model, schedule, **wrap)
     assert_same_gradients(model, wrapped, x, name)
@@ -230,7 +230,7 @@ def test_bf16_autocast_with_attention_dropout_gives_plain_gradients():
     x = _tokens()
     problem = build_problem(model, (x,), progress=False, repeats=1)
     _, schedule = solve_model(
-        model, (x,), budget_at(problem, 0.4), time_limit=10, verbose=False, problem=problem
+        model, (x,), budget_at(problem, 0.4), time_limit=4, verbose=False, problem=problem
     )
     assert schedule.recomputed()
     wrapped = MonetWrapper(model, schedule, input_shape=tuple(x.shape))
@@ -276,7 +276,7 @@ def check_own_loss(
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     problem = build_problem(model, inputs, progress=False, repeats=1, outputs_held=outputs_held)
     _, schedule = solve_model(
-        model, inputs, budget_at(problem, fraction), time_limit=10, verbose=False, problem=problem
+        model, inputs, budget_at(problem, fraction), time_limit=4, verbose=False, problem=problem
     )
     assert schedule.meta["input_names"] == list(tensors)
     assert schedule.meta["grad_outputs"] == [0], f"{name}: not solved for its own loss alone"
