@@ -1318,11 +1318,12 @@ def _solve(
         )
         return fastest
     greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
+    log(verbose, f"budget {budget_bytes} B, lower bound {lb} B; the baselines (warm starts) first")
     fits = fitting_baselines(problem, budget_bytes, greedy_time=greedy_time)
     base = fits[0] if fits else None
     log(
         verbose,
-        f"budget {budget_bytes} B, lower bound {lb} B; best baseline: "
+        f"{len(fits)} baselines fit; the fastest: "
         + (
             f"{base.strategy} {base.predicted_time_s:.4f} s, peak {base.predicted_peak_bytes} B"
             if base
