@@ -1881,6 +1881,7 @@ def _ladder(
                 bounds.append((w, lp, f))
                 attempts.append({**_attempt(what, w, lp), "status": "lp_relaxation"})
             if improved is not None:
+                form = _around(an, budget_bytes, w, form, improved, backend)
                 warm_plan = improved
                 warm = form.plan_to_vector(improved)
                 best_form = form
@@ -2002,6 +2003,20 @@ def _attempt(what: str, window: int | None, res: MilpResult) -> dict:
         "cols": res.n_cols,
         "rows": res.n_rows,
     }
+
+
+def _around(an, budget_bytes, window, form: Formulation, plan: Plan, backend: str) -> Formulation:
+    """The window's MILP built around `plan` (found by RINS in `form`), if it is smaller than
+    `form` and its rows accept the plan; else `form`. A MILP gets columns of its own where the
+    plan it is built around departs from the window's rule, so one built around RINS' start may
+    be much larger than one around the plan RINS ended with: ResNet-50 b8 224, kept gradients,
+    0.4: 19,247 integer columns around a 2.05-s start, 11,714 around RINS' 1.575-s plan. HiGHS'
+    main run on the larger one stopped (7 s) before its root LP was done (its bound: the trivial
+    one); on the smaller one its root bounds the plan within 3.8 % in 7 s."""
+    built = Formulation(an, budget_bytes, window=window, warm_plan=plan, backend=backend)
+    if built.n_cols < form.n_cols and not built.violations(built.plan_to_vector(plan)):
+        return built
+    return form
 
 
 def _rins_from_starts(

@@ -1074,6 +1074,29 @@ def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
             assert lp.objective <= found[-1] + 1e-9
 
 
+def test_highs_goes_on_in_the_smaller_milp_built_around_the_plan_rins_found():
+    """After RINS, HiGHS' main run goes on in the window's MILP built around the plan RINS ended
+    with when that MILP is smaller than the one around RINS' start (a start far from the window's
+    rule brings columns of its own) and its rows accept the plan; otherwise in the same MILP."""
+    from solver.milp import _around
+
+    p = PROBLEMS["resnet_bneck60"]
+    an = B.analysis(p)
+    budget = 10 * B.no_recompute(p).predicted_peak_bytes
+    heavy = B.plan_of(p, B.checkpoint_all(p))  # recomputes the most: columns of its own
+    light = B.plan_of(p, B.no_recompute(p))
+    around_heavy = Formulation(an, budget, window=6, warm_plan=heavy)
+    assert not around_heavy.violations(around_heavy.plan_to_vector(light))  # (RINS could find it)
+    got = _around(an, budget, 6, around_heavy, light, "highs")
+    assert got is not around_heavy and got.n_cols < around_heavy.n_cols
+    assert not got.violations(got.plan_to_vector(light))
+    around_light = Formulation(an, budget, window=6, warm_plan=light)
+    assert _around(an, budget, 6, around_light, heavy, "highs") is around_light  # not smaller
+    tight = B.no_recompute(p).predicted_peak_bytes // 2  # the light plan is over this budget
+    form = Formulation(an, tight, window=6, warm_plan=heavy)
+    assert _around(an, tight, 6, form, light, "highs") is form  # its rows reject the plan
+
+
 def test_multilevel_local_search_replays_at_most_max_evals(monkeypatch):
     """The multilevel local search is bounded by replays, not only by time (the same plan on any
     machine fast enough): with `max_evals` k it replays at most k schedules after the scan, and
