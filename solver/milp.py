@@ -169,7 +169,8 @@ AUTO_WINDOWS = (6, 12, 24, None)
 # the next window starts only with this many times the previous window's wall time left, times
 # the ratio of their windows
 WIDEN_FACTOR = 1.5
-# time mode: the share of the time a MILP leaves for `_polish` if it runs out of time, the
+# time mode: the share of the time a MILP leaves for `_polish` if it runs out of time (Gurobi,
+# or a MILP without a warm start; HiGHS runs beside polishing instead: `_highs_beside_polish`), the
 # band of backward stages each polishing sub-MILP may change, and its time limit
 POLISH_SHARE = 0.4
 POLISH_SPAN = 16
@@ -182,13 +183,13 @@ POLISH_NODE_LIMIT_S = 5.0
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
 # at a time
 POLISH_WORKERS = 2
-# time mode: when polishing stops improving with at least this many seconds left, HiGHS runs the
-# polished MILP again for the rest (ResNet-50 b8 224 at 0.33 with 300 s: polishing was done at
-# 175 s and the time after it went unused)
+# time mode, after polishing that did not run beside HiGHS: when it stops improving with at least
+# this many seconds left, HiGHS runs the polished MILP again for the rest (ResNet-50 b8 224 at
+# 0.33 with 300 s: polishing was done at 175 s and the time after it went unused)
 FINAL_RUN_MIN_S = 5.0
-# time mode: a warm-started MILP that has found nothing better by the end of its root node, or
-# within this share of its time, gives the rest to `_polish` (ResNet-50 b8 224 at 0.33, 60 s:
-# HiGHS never beat the multilevel warm start; with the hand-over +48.5 % -> +30.7 % predicted,
+# time mode, where polishing does not run beside HiGHS: a warm-started MILP that has found nothing
+# better by the end of its root node, or within this share of its time, gives the rest to
+# `_polish` (ResNet-50 b8 224 at 0.33, 60 s: HiGHS never beat the multilevel warm start; with the hand-over +48.5 % -> +30.7 % predicted,
 # at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root heuristics needed ~25 s)
 STALL_SHARE = 0.5
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
@@ -1812,6 +1813,7 @@ def _ladder(
 
     started = None  # (when the previous window's iteration started, its window)
     started_rins = False  # RINS has run from several starts (the first window that runs it)
+    polished_form = None  # the MILP HiGHS ran with polishing beside it (`_highs_beside_polish`)
     for w in window_ladder(window, an.n):
         now = time.perf_counter()
         remaining = deadline - now
@@ -1907,23 +1909,41 @@ def _ladder(
                     best_form = form
                 last = (w, None)
                 continue
-        # time mode keeps a share for polishing the incumbent if this MILP runs out of time
-        share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
-        res = form.solve_milp(
-            max(0.5, share * remaining),
-            mip_gap=mip_gap,
-            threads=threads,
-            warm=warm,
-            verbose=verbose,
-            stall_s=None if budget_bytes is None else STALL_SHARE * share * remaining,
-        )
+        beside = budget_bytes is not None and warm is not None and form.backend == "highs"
+        if beside:
+            # time mode: HiGHS on this MILP for the rest of the time, polishing beside it
+            polished_form = form
+
+            def accept_polished(plan, objective: float, form=form) -> bool:
+                nonlocal best_form
+                if accept(plan, objective, len(results)):
+                    best_form = form
+                    return True
+                return False
+
+            res = _highs_beside_polish(
+                form, warm_plan, warm, deadline, mip_gap, threads, verbose, accept_polished
+            )
+            if best_form is form:
+                warm_plan = best[2]  # (the next window starts from the polished plan)
+        else:
+            # time mode keeps a share for polishing the incumbent if this MILP runs out of time
+            share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
+            res = form.solve_milp(
+                max(0.5, share * remaining),
+                mip_gap=mip_gap,
+                threads=threads,
+                warm=warm,
+                verbose=verbose,
+                stall_s=None if budget_bytes is None else STALL_SHARE * share * remaining,
+            )
         last = (w, res)
         results.append((w, res, form))
         attempts.append(_attempt(what, w, res))
         log(
             verbose,
             f"{_BACKEND_NAMES[form.backend]} ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
-            f"gap {res.gap}, {res.solve_time_s:.1f} s",
+            f"gap {res.gap}, {res.solve_time_s:.1f} s" + (", polishing beside it" if beside else ""),
         )
         if res.plan is not None and accept(res.plan, res.objective, len(results) - 1):
             best_form = form
@@ -1943,6 +1963,7 @@ def _ladder(
         and found_by in ("time_limit", None)
         and not at_floor()
         and not within_gap
+        and polished_form is None
     ):
         # (an optimal MILP's plan cannot be improved within its window)
         _polish(
@@ -2137,7 +2158,51 @@ def _rins(
     return best
 
 
-def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept) -> None:
+def _highs_beside_polish(
+    form: Formulation, plan: Plan, warm, deadline: float, mip_gap: float, threads: int, verbose: bool, accept
+) -> MilpResult:
+    """HiGHS on `form` from `warm` (the vector of `plan`) until `deadline`, in a thread of its
+    own, while `_polish` improves `plan` beside it with one sub-MILP at a time; polishing stops
+    when HiGHS ends (optimal, or out of time). Returns HiGHS' run; `accept(plan, objective)`
+    receives what polishing finds (plans of `form`: HiGHS' bound holds for them).
+
+    One after the other, HiGHS' run was cut on a stall before its root node was done (ResNet-50
+    b8 224, kept gradients, 0.4: 5.7 s, bound below its LP relaxation's) and polishing took the
+    rest; HiGHS needs ~10 s for its root bound there (3.4 % against 6.3 %). Its branch and bound
+    is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone."""
+    import threading
+
+    done = threading.Event()
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["res"] = form.solve_milp(
+                max(0.5, deadline - time.perf_counter()),
+                mip_gap=mip_gap,
+                threads=threads,
+                warm=warm,
+                verbose=verbose,
+            )
+        except BaseException as exc:  # (raised again in the caller's thread)
+            out["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
+    worker.start()
+    try:
+        _polish(form, plan, deadline, 1, verbose, accept, stop=done.is_set)
+    finally:
+        worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["res"]
+
+
+def _polish(
+    form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept, stop=None
+) -> None:
     """Large-neighbourhood search on a time-mode incumbent, until `deadline`.
 
     HiGHS can spend a whole time limit in root cut rounds on a hard budget (ResNet-50 b8 224
@@ -2160,7 +2225,8 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
     1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound
     still bounds it). Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
     core; a band started before another band's improvement is kept only if it beats that.
-    `accept(plan, objective)` replays and keeps a plan."""
+    `accept(plan, objective)` replays and keeps a plan; `stop()`, if given, ends polishing early
+    (no further band starts once it returns True)."""
     an = form.an
     integer = np.flatnonzero(np.asarray(form.md.integer))
     x = form.plan_to_vector(plan)
@@ -2173,6 +2239,8 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
     scale = 1  # band sizes, in multiples of POLISH_SPAN stages and POLISH_NODES nodes
     proved = False  # every sub-MILP of the last pass solved to optimality
     while True:
+        if stop is not None and stop():
+            return
         if not improved:
             # a pass without a better plan, every band's sub-MILP solved to optimality: the plan
             # is optimal in every band of this size; wider bands may still improve it (356-node
@@ -2215,6 +2283,8 @@ def _polish(form: Formulation, plan: Plan, deadline: float, threads: int, verbos
         running: dict = {}  # future -> its neighbourhood
         with ThreadPoolExecutor(workers) as pool:
             while todo or running:
+                if stop is not None and stop():
+                    todo.clear()
                 while todo and len(running) < workers:
                     hood = todo.pop()
                     job = _start_band(pool, form, x, integer, hood, span, deadline, sub_threads)

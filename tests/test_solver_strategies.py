@@ -697,40 +697,70 @@ def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch
     assert started and started[0] == (window_ladder("auto", len(p.nodes))[0], False), started
 
 
-def test_time_left_after_polishing_goes_to_highs_and_its_bound_counts(monkeypatch):
-    """When polishing stops improving with time to spare, HiGHS runs the polished MILP again for
-    the rest of the time: the attempt is recorded, the schedule still fits, and the proven gap is
-    the tighter of the two runs' bounds. (ResNet-50 b8 224 at 0.33 with 300 s: polishing was done
-    at 175 s and the rest of the time went unused.)"""
+def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch):
+    """In time mode HiGHS runs the window's MILP to the deadline in a thread of its own while
+    polishing improves the plan beside it (one after the other, HiGHS was cut on a stall before its
+    root bound): polishing starts while HiGHS runs, with a way to be stopped; the schedule fits;
+    the proven gap is at least as tight as HiGHS' bound makes it for the returned plan."""
+    import threading
+
     import solver.milp as M
 
-    calls = []
-    real = M.Formulation.solve_highs
+    seen = []  # per polishing call: (HiGHS' thread alive when it started, given a stop)
+    real = M._polish
 
-    def short_first_run(form, time_limit, *args, **kwargs):
-        whole_milp = not kwargs.get("relax") and not kwargs.get("fixed")  # (not RINS, not polishing)
-        if whole_milp:
-            calls.append(time_limit)
-            if len(calls) == 1:
-                time_limit = 0.5  # the window's first HiGHS run is cut short: it ends at its time limit
-        return real(form, time_limit, *args, **kwargs)
+    def watched(*args, **kwargs):
+        alive = any(t.name == "monet-opt-highs" and t.is_alive() for t in threading.enumerate())
+        seen.append((alive, kwargs.get("stop") is not None))
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(M.Formulation, "solve_highs", short_first_run)
-    monkeypatch.setattr(M, "_polish", lambda *args, **kwargs: None)
-    # (no RINS: how long its rounds take varies with the machine's load, and what they leave for
-    # the run after polishing must not; a CI run left 3.8 s, under FINAL_RUN_MIN_S)
+    monkeypatch.setattr(M, "_polish", watched)
+    # (no RINS: HiGHS and polishing then start from the window's warm start)
     monkeypatch.setattr(M, "_rins_from_starts", lambda an, b, w, form, *args, **kwargs: (form, None))
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
-    s = solve(p, budget, time_limit=16, window=6, verbose=False)
+    s = solve(p, budget, time_limit=8, window=6, verbose=False)
     _check(p, s, budget)
-    attempts = s.meta["milp_attempts"]
-    assert len(calls) == 2, calls
-    assert attempts[0]["status"] == "time_limit" and not attempts[0].get("after_polishing")
-    assert attempts[-1]["after_polishing"] and attempts[-1]["seconds"] >= M.FINAL_RUN_MIN_S - 1.0
-    bounds = [a["bound"] for a in attempts if a["bound"] is not None]
+    assert seen and seen[0] == (True, True), seen
+    runs = [a for a in s.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
+    assert runs and all(a["bound"] is not None for a in runs), s.meta["milp_attempts"]
     obj = s.predicted_time_s
-    assert s.solver.gap <= (obj - max(bounds)) / obj + 1e-9
+    assert s.solver.gap <= max(0.0, (obj - max(a["bound"] for a in runs)) / obj) + 1e-9
+
+
+def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
+    """When HiGHS proves its MILP optimal, polishing beside it stops (no band starts after that)
+    and the pair returns long before the deadline; every plan polishing offered replayed and fit.
+    (Bands of one stage or node, each made to take 0.3 s: polishing alone would run over a minute.)"""
+    import time
+
+    import solver.milp as M
+
+    form, plan, accept, times = _from_sqrt_n("random24")
+    monkeypatch.setattr(M, "POLISH_SPAN", 1)
+    monkeypatch.setattr(M, "POLISH_NODES", 1)
+    real = M.Formulation.solve_highs
+    band_starts, highs_ended = [], []
+
+    def timed(self, *args, **kwargs):
+        if kwargs.get("fixed"):  # a polishing band
+            band_starts.append(time.perf_counter())
+            time.sleep(0.3)
+            return real(self, *args, **kwargs)
+        res = real(self, *args, **kwargs)
+        highs_ended.append(time.perf_counter())
+        return res
+
+    monkeypatch.setattr(M.Formulation, "solve_highs", timed)
+    t0 = time.perf_counter()
+    res = M._highs_beside_polish(form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, accept)
+    took = time.perf_counter() - t0
+    assert res.status == "optimal", res.status
+    assert band_starts, "no polishing beside HiGHS"
+    assert all(t <= highs_ended[0] + 0.1 for t in band_starts), "a band started after HiGHS ended"
+    assert took < highs_ended[0] - t0 + 10.0, f"polishing went on {took:.0f} s after HiGHS ended"
+    # HiGHS' optimum bounds every plan of the MILP, the polished ones too
+    assert res.dual_bound <= times[-1] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(
