@@ -972,6 +972,7 @@ class Formulation:
         fixed: dict[int, float] | None = None,
         stall_s: float | None = None,
         relax: bool = False,
+        cancel=None,
     ) -> MilpResult:
         """fixed: column -> value, held there (the neighbourhoods of `_polish`).
         stall_s: give up if HiGHS has found nothing better than `warm` by the end of its root
@@ -979,7 +980,9 @@ class Formulation:
         limit, and branching rarely finds what the root's heuristics did not: the caller has
         better uses for the time).
         relax: solve the LP relaxation instead (integrality dropped); the result has `x` and the
-        LP's objective, and no plan."""
+        LP's objective, and no plan.
+        cancel: a `threading.Event`; once set, the run stops as at its time limit (a run in a
+        thread of its own whose caller gave up: `_highs_beside_polish`)."""
         import highspy
 
         t_enter = time.perf_counter()
@@ -1029,7 +1032,7 @@ class Formulation:
 
         def _stop_at_deadline(event) -> None:
             # HiGHS' own time limit is not checked inside long presolve / separation rounds
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > deadline or (cancel is not None and cancel.is_set()):
                 event.interrupt()
 
         target = self.stop_at_objective
@@ -2173,16 +2176,18 @@ def _highs_beside_polish(
     import threading
 
     done = threading.Event()
+    cancel = threading.Event()  # set when polishing fails (an interrupt): HiGHS stops then too
     out: dict = {}
 
     def run() -> None:
         try:
-            out["res"] = form.solve_milp(
+            out["res"] = form.solve_highs(
                 max(0.5, deadline - time.perf_counter()),
                 mip_gap=mip_gap,
                 threads=threads,
                 warm=warm,
                 verbose=verbose,
+                cancel=cancel,
             )
         except BaseException as exc:  # (raised again in the caller's thread)
             out["error"] = exc
@@ -2193,6 +2198,9 @@ def _highs_beside_polish(
     worker.start()
     try:
         _polish(form, plan, deadline, 1, verbose, accept, stop=done.is_set)
+    except BaseException:
+        cancel.set()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
+        raise
     finally:
         worker.join()
     if "error" in out:

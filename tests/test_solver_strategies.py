@@ -728,6 +728,29 @@ def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch):
     assert s.solver.gap <= max(0.0, (obj - max(a["bound"] for a in runs)) / obj) + 1e-9
 
 
+def test_an_error_while_polishing_stops_highs_beside_it():
+    """An exception in polishing (Ctrl-C in the CLI) reaches the caller at once: HiGHS, running
+    beside it to a deadline two minutes away on a MILP it does not prove optimal in that time,
+    is stopped instead of waited for."""
+    import time
+
+    import solver.milp as M
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupted(p, objective):
+        raise Interrupted
+
+    t0 = time.perf_counter()
+    with pytest.raises(Interrupted):
+        M._highs_beside_polish(form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, interrupted)
+    took = time.perf_counter() - t0
+    assert took < 40.0, f"the error reached the caller after {took:.0f} s"
+
+
 def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     """When HiGHS proves its MILP optimal, polishing beside it stops (no band starts after that)
     and the pair returns long before the deadline; every plan polishing offered replayed and fit.
