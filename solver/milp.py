@@ -1294,7 +1294,7 @@ def _solve(
     start_plan: Plan | None = None,
 ) -> tuple[Schedule, Plan | None]:
     """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy)."""
-    from solver.baselines import analysis, fitting_baselines, min_known_peak, plan_of
+    from solver.baselines import analysis, fitting_baselines, lowest_peak_baseline, min_known_peak, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
     from solver.plan import PlanError, to_schedule
     from solver.schedule import Schedule, SolverInfo
@@ -1324,6 +1324,13 @@ def _solve(
     greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
     log(verbose, f"budget {budget_bytes} B, lower bound {lb} B; the baselines (warm starts) first")
     fits = fitting_baselines(problem, budget_bytes, greedy_time=greedy_time)
+    if not fits:
+        # the budget-driven searches found nothing that fits; the budget-free baseline with the
+        # smallest peak may (the error message below names it: a CI run of the timm ViT test at a
+        # budget 272 bytes above it raised "no schedule found" after a 4-s solve)
+        low = lowest_peak_baseline(problem)
+        if low.predicted_peak_bytes <= budget_bytes:
+            fits = [Schedule(**{**low.__dict__, "budget_bytes": budget_bytes})]
     base = fits[0] if fits else None
     log(
         verbose,
