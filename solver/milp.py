@@ -973,6 +973,7 @@ class Formulation:
         stall_s: float | None = None,
         relax: bool = False,
         cancel=None,
+        incumbent=None,
     ) -> MilpResult:
         """fixed: column -> value, held there (the neighbourhoods of `_polish`).
         stall_s: give up if HiGHS has found nothing better than `warm` by the end of its root
@@ -982,7 +983,9 @@ class Formulation:
         relax: solve the LP relaxation instead (integrality dropped); the result has `x` and the
         LP's objective, and no plan.
         cancel: a `threading.Event`; once set, the run stops as at its time limit (a run in a
-        thread of its own whose caller gave up: `_highs_beside_polish`)."""
+        thread of its own whose caller gave up: `_highs_beside_polish`).
+        incumbent: returns the best plan's objective so far, found elsewhere (polishing beside
+        this run), or None; verbose progress lines then give HiGHS' bound against it."""
         import highspy
 
         t_enter = time.perf_counter()
@@ -1058,10 +1061,16 @@ class Formulation:
             if verbose and not highs_log and time.perf_counter() >= next_note[0]:
                 next_note[0] = time.perf_counter() + PROGRESS_EVERY_S
                 gap = event.data_out.mip_gap
+                note = f"gap {gap:.1%}" if np.isfinite(gap) and gap < 1e9 else "no plan yet"
+                best = incumbent() if incumbent is not None else None
+                bound = float(event.data_out.mip_dual_bound) / scaled.cost_factor
+                if best is not None and np.isfinite(bound) and 0 < bound <= best:
+                    # (beside polishing: HiGHS' own gap is to its own incumbent, not to the plan
+                    # polishing holds; HiGHS' incumbent objective may be its presolved model's)
+                    note = f"bound {bound:.4f}: the polished plan ({best:.4f}) within {(best - bound) / best:.1%}"
                 log(
                     True,
-                    f"HiGHS: {time.perf_counter() - t0:.0f} s, {int(event.data_out.mip_node_count)} nodes, "
-                    + (f"gap {gap:.1%}" if np.isfinite(gap) and gap < 1e9 else "no plan yet"),
+                    f"HiGHS: {time.perf_counter() - t0:.0f} s, {int(event.data_out.mip_node_count)} nodes, {note}",
                 )
             if under_target[0]:
                 event.interrupt()  # good enough: a plan whose peak is under the target exists
@@ -2185,6 +2194,13 @@ def _highs_beside_polish(
     done = threading.Event()
     cancel = threading.Event()  # set when polishing fails (an interrupt): HiGHS stops then too
     out: dict = {}
+    best = [form.objective(warm)]  # the best objective polishing has reached (progress lines)
+
+    def accept_best(plan: Plan, objective: float) -> bool:
+        if accept(plan, objective):
+            best[0] = min(best[0], objective)
+            return True
+        return False
 
     def run() -> None:
         try:
@@ -2195,6 +2211,7 @@ def _highs_beside_polish(
                 warm=warm,
                 verbose=verbose,
                 cancel=cancel,
+                incumbent=lambda: best[0],
             )
         except BaseException as exc:  # (raised again in the caller's thread)
             out["error"] = exc
@@ -2204,7 +2221,7 @@ def _highs_beside_polish(
     worker = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
     worker.start()
     try:
-        _polish(form, plan, deadline, 1, verbose, accept, stop=done.is_set)
+        _polish(form, plan, deadline, 1, verbose, accept_best, stop=done.is_set)
     except BaseException:
         cancel.set()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise

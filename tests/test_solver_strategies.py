@@ -697,11 +697,12 @@ def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch
     assert started and started[0] == (window_ladder("auto", len(p.nodes))[0], False), started
 
 
-def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch):
+def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch, capfd):
     """In time mode HiGHS runs the window's MILP to the deadline in a thread of its own while
     polishing improves the plan beside it (one after the other, HiGHS was cut on a stall before its
     root bound): polishing starts while HiGHS runs, with a way to be stopped; the schedule fits;
-    the proven gap is at least as tight as HiGHS' bound makes it for the returned plan."""
+    the proven gap is at least as tight as HiGHS' bound makes it for the returned plan. HiGHS'
+    progress lines give its bound against the plan polishing holds."""
     import threading
 
     import solver.milp as M
@@ -719,9 +720,17 @@ def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch):
     monkeypatch.setattr(M, "_rins_from_starts", lambda an, b, w, form, *args, **kwargs: (form, None))
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
-    s = solve(p, budget, time_limit=8, window=6, verbose=False)
+    monkeypatch.setattr(M, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.delenv("MONET_OPT_HIGHS_LOG", raising=False)
+    s = solve(p, budget, time_limit=8, window=6, verbose=True)
     _check(p, s, budget)
     assert seen and seen[0] == (True, True), seen
+    err = capfd.readouterr().err
+    notes = re.findall(r"HiGHS: .* bound ([0-9.]+): the polished plan \(([0-9.]+)\) within ([0-9.]+)%", err)
+    assert notes, err
+    for bound, best, gap in notes:
+        assert float(bound) <= float(best) and float(bound) <= s.predicted_time_s + 1e-4
+        assert abs(float(gap) - 100 * (float(best) - float(bound)) / float(best)) < 0.2
     runs = [a for a in s.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
     assert runs and all(a["bound"] is not None for a in runs), s.meta["milp_attempts"]
     obj = s.predicted_time_s
