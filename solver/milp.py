@@ -189,8 +189,9 @@ POLISH_WORKERS = 2
 FINAL_RUN_MIN_S = 5.0
 # time mode, where polishing does not run beside HiGHS: a warm-started MILP that has found nothing
 # better by the end of its root node, or within this share of its time, gives the rest to
-# `_polish` (ResNet-50 b8 224 at 0.33, 60 s: HiGHS never beat the multilevel warm start; with the hand-over +48.5 % -> +30.7 % predicted,
-# at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root heuristics needed ~25 s)
+# `_polish` (ResNet-50 b8 224 at 0.33, 60 s: HiGHS never beat the multilevel warm start; with the
+# hand-over +48.5 % -> +30.7 % predicted, at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root
+# heuristics needed ~25 s)
 STALL_SHARE = 0.5
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
 # share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
@@ -1303,7 +1304,7 @@ def _solve(
     start_plan: Plan | None = None,
 ) -> tuple[Schedule, Plan | None]:
     """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy)."""
-    from solver.baselines import analysis, fitting_baselines, lowest_peak_baseline, min_known_peak, plan_of
+    from solver.baselines import analysis, fitting_baselines, lowest_peak_baseline, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
     from solver.plan import PlanError, to_schedule
     from solver.schedule import Schedule, SolverInfo
@@ -1333,13 +1334,19 @@ def _solve(
     greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
     log(verbose, f"budget {budget_bytes} B, lower bound {lb} B; the baselines (warm starts) first")
     fits = fitting_baselines(problem, budget_bytes, greedy_time=greedy_time)
-    if not fits:
+    lowest: list = []  # the budget-free baseline with the smallest peak, once computed
+
+    def known_peak() -> tuple[int, str]:
+        """`baselines.min_known_peak`, computed once (a multilevel search of up to 10 s)."""
+        if not lowest:
+            lowest.append(lowest_peak_baseline(problem))
+        return lowest[0].predicted_peak_bytes, lowest[0].strategy
+
+    if not fits and known_peak()[0] <= budget_bytes:
         # the budget-driven searches found nothing that fits; the budget-free baseline with the
-        # smallest peak may (the error message below names it: a CI run of the timm ViT test at a
-        # budget 272 bytes above it raised "no schedule found" after a 4-s solve)
-        low = lowest_peak_baseline(problem)
-        if low.predicted_peak_bytes <= budget_bytes:
-            fits = [Schedule(**{**low.__dict__, "budget_bytes": budget_bytes})]
+        # smallest peak does (the error message below names it: a CI run of the timm ViT test at
+        # a budget 272 bytes above it raised "no schedule found" after a 4-s solve)
+        fits = [Schedule(**{**lowest[0].__dict__, "budget_bytes": budget_bytes})]
     base = fits[0] if fits else None
     log(
         verbose,
@@ -1366,7 +1373,7 @@ def _solve(
     def fallback(reason: str, gap=None):
         elapsed = time.perf_counter() - t_start
         if base is None:
-            known, name = min_known_peak(problem)
+            known, name = known_peak()
             raise NoScheduleFound(
                 f"no schedule within budget {budget_bytes} bytes found in {time_limit:.0f} s "
                 f"({reason}); the lower bound is {lb} bytes and the smallest peak found is "
@@ -1422,7 +1429,7 @@ def _solve(
             if low_peak <= budget_bytes:
                 warm_plan = low.best[2]
             else:
-                known, name = min_known_peak(problem)
+                known, name = known_peak()
                 known = min(known, low_peak, start_peak or known)
                 w_low, res_low = low.last
                 if w_low is None and res_low is not None and res_low.status == "optimal":
@@ -1467,7 +1474,7 @@ def _solve(
     if best is None:
         last_status = "time_limit (RINS only)" if res_last is None else res_last.status
         if last_status == "infeasible" and base is None:
-            known, name = min_known_peak(problem)
+            known, name = known_peak()
             proven = "" if w_last is None else f" with a recompute window of {scope}"
             raise InfeasibleBudget(
                 f"no schedule fits budget {budget_bytes} bytes in this formulation{proven} (MILP infeasible); "
@@ -1832,7 +1839,7 @@ def _ladder(
 
     started = None  # (when the previous window's iteration started, its window)
     started_rins = False  # RINS has run from several starts (the first window that runs it)
-    polished_form = None  # the MILP HiGHS ran with polishing beside it (`_highs_beside_polish`)
+    polished_beside = False  # HiGHS ran with polishing beside it (`_highs_beside_polish`)
     for w in window_ladder(window, an.n):
         now = time.perf_counter()
         remaining = deadline - now
@@ -1931,7 +1938,7 @@ def _ladder(
         beside = budget_bytes is not None and warm is not None and form.backend == "highs"
         if beside:
             # time mode: HiGHS on this MILP for the rest of the time, polishing beside it
-            polished_form = form
+            polished_beside = True
 
             def accept_polished(plan, objective: float, form=form) -> bool:
                 nonlocal best_form
@@ -1982,7 +1989,7 @@ def _ladder(
         and found_by in ("time_limit", None)
         and not at_floor()
         and not within_gap
-        and polished_form is None
+        and not polished_beside
     ):
         # (an optimal MILP's plan cannot be improved within its window)
         _polish(
