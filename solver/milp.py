@@ -2072,7 +2072,7 @@ def _rins_from_starts(
     """RINS from `plan` in `form`, and first from up to RINS_STARTS - 1 of `others` (fitting
     plans, fastest first; each in a window-`window` MILP built around it, if its rows accept it):
     one round from each in RINS_STARTS_SHARE of the time left, then the rest of the rounds from
-    the best plan found, in its MILP. (One MILP holding every start has more columns, and RINS'
+    the best plan found, in its MILP (from `plan` again, if no round found one). (One MILP holding every start has more columns, and RINS'
     neighbourhoods in it are wider: ResNet-50 b8 224, Adam step in the backward, at 0.25, RINS
     from multilevel's plan found 1.674 s in 6.4 s in the MILP around it, nothing in 7 s in the
     MILP around three plans.) Returns (the MILP of the plan RINS ended with, that plan, or None
@@ -2095,6 +2095,7 @@ def _rins_from_starts(
     log(verbose, f"RINS from {len(starts)} starts")
     phase_end = time.perf_counter() + RINS_STARTS_SHARE * (deadline - time.perf_counter())
     winner = None  # (MILP, plan, LP relaxation) of the last start whose round beat every other
+    first_lp = None  # the fastest start's LP relaxation
     for k, (f, start) in enumerate(starts):
         now = time.perf_counter()
         if deadline - now < 2.0:
@@ -2107,10 +2108,18 @@ def _rins_from_starts(
         got = _rins(
             f, start, now + (phase_end - now) / (len(starts) - k), threads, verbose, accept, rounds=1, lp=lp
         )
+        if f is form:
+            first_lp = lp
         if got is not None:
             winner = (f, got, lp)
     if winner is None:
-        return form, None
+        if first_lp is None or deadline - time.perf_counter() < 2.0:
+            return form, None
+        # no start's round found anything in its share: RINS goes on from the fastest start with
+        # the rest of the time, as it would from that start alone (356-node synthetic DAG at 0.33:
+        # its neighbourhood needs 8 s, and each start's round had 6)
+        log(verbose, "no start's round improved on the best plan: RINS goes on from the fastest start")
+        return form, _rins(form, plan, deadline, threads, verbose, accept, lp=first_lp)
     f, got, lp = winner
     return f, _rins(f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp) or got
 

@@ -1110,14 +1110,10 @@ def test_multilevel_starts_are_the_refined_plan_then_other_fitting_ones():
     assert {"multilevel", "multilevel_start1", "multilevel_start2"} <= set(names)
 
 
-def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
-    """RINS from several starts, each in the window's MILP built around it: one round from each,
-    then the plan returned is the fastest any start led to, a plan of the MILP returned (which
-    HiGHS and polishing go on with), and each LP relaxation solved bounds its own MILP."""
-    import time
-
-    from solver.milp import _rins_from_starts
-
+def _rins_starts_case():
+    """RINS from several starts on resnet_bneck60 at chen_sqrt's peak: (analysis, budget, the
+    window-6 MILP around chen_sqrt's plan, that plan, two multilevel plans, the objectives
+    accepted so far, an accept callback that replays each plan and keeps only faster ones)."""
     p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
     start = B.chen_sqrt(p)
     budget = start.predicted_peak_bytes
@@ -1135,6 +1131,19 @@ def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
         found.append(sim.time_s)
         return True
 
+    return an, budget, form, plan, others, found, keep
+
+
+def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
+    """RINS from several starts, each in the window's MILP built around it: one round from each,
+    then the plan returned is the fastest any start led to, a plan of the MILP returned (which
+    HiGHS and polishing go on with), and each LP relaxation solved bounds its own MILP."""
+    import time
+
+    from solver.milp import _rins_from_starts
+
+    an, budget, form, plan, others, found, keep = _rins_starts_case()
+
     solved: list[tuple] = []
     end_form, best = _rins_from_starts(
         an, budget, 6, form, plan, others, time.perf_counter() + 40.0, 2, True, keep, solved
@@ -1149,6 +1158,47 @@ def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
     for lp, f in solved:
         if f is end_form:
             assert lp.objective <= found[-1] + 1e-9
+
+
+def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkeypatch, capsys):
+    """When no start's one round finds a better plan in its share of the time, RINS goes on from
+    the fastest start (the first) in its own MILP with the rest of the time and all its rounds,
+    reusing that start's LP relaxation, as it would from that start alone. (356-node synthetic
+    DAG at 0.33: the round from the greedy plan needed 8 s and had 6; the solve returned the
+    greedy plan itself.)"""
+    import time
+
+    from solver import milp as M
+
+    an, budget, form, plan, others, found, keep = _rins_starts_case()
+
+    real = M._rins
+    calls: list[tuple] = []
+
+    def rins(f, begin, deadline, threads, verbose, accept, relaxations=None, rounds=M.RINS_ROUNDS, lp=None):
+        calls.append((f, begin, rounds, lp))
+        if rounds == 1:  # every start's round finds nothing
+            return None
+        return real(
+            f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
+        )
+
+    monkeypatch.setattr(M, "_rins", rins)
+    solved: list[tuple] = []
+    end_form, best = M._rins_from_starts(
+        an, budget, 6, form, plan, others, time.perf_counter() + 30.0, 2, True, keep, solved
+    )
+    log = capsys.readouterr().err
+    assert "RINS from 3 starts" in log and "RINS goes on from the fastest start" in log, log
+    assert [c[2] for c in calls] == [1, 1, 1, M.RINS_ROUNDS]
+    f, begin, _rounds, lp = calls[-1]
+    assert f is form and begin is plan
+    assert lp is solved[0][0] and solved[0][1] is form  # its LP, not solved again
+    assert end_form is form
+    if best is not None:  # what it found is a plan of that MILP, accepted
+        x = form.plan_to_vector(best)
+        assert not form.violations(x)
+        assert form.objective(x) == pytest.approx(found[-1], rel=1e-9)
 
 
 def test_highs_goes_on_in_the_smaller_milp_built_around_the_plan_rins_found():
