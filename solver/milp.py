@@ -2075,9 +2075,9 @@ def _rins_from_starts(
     the best plan found, in its MILP (from `plan` again, if no round found one). (One MILP
     holding every start has more columns, and RINS' neighbourhoods in it are wider: ResNet-50 b8
     224, Adam step in the backward, at 0.25, RINS from multilevel's plan found 1.674 s in 6.4 s in
-    the MILP around it, nothing in 7 s in the MILP around three plans.) Returns (the MILP of the plan RINS ended with, that plan, or None
-    if RINS found nothing better than the best so far); every LP relaxation solved is appended
-    to `solved` as (its MilpResult, its Formulation)."""
+    the MILP around it, nothing in 7 s in the MILP around three plans.) Returns (the MILP of the
+    plan RINS ended with, that plan, or None if RINS found nothing better than the best so far);
+    every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation)."""
     starts = [(form, plan)]
     for other in others:
         if len(starts) >= RINS_STARTS or deadline - time.perf_counter() < RINS_START_MIN_S * (
