@@ -209,6 +209,12 @@ RINS_STARTS = 3
 RINS_STARTS_SHARE = 0.5
 # ... a further start only with this many seconds left per start
 RINS_START_MIN_S = 3.0
+# ... and only if its MILP has at most this many times the own columns (`own_cells`) of the
+# fastest start's: building it and solving its LP relaxation grow faster than its size (356-node
+# synthetic DAG at 0.6: segment_sweep's plan, 6.1 times, 152k columns against 26.5k, built in 8
+# s, its LP not solved in the 5.7 s it had; ResNet-50 b8 224 at 0.33: 1.9 times, LP 7.5 s
+# against 1.3, while the start before it was short of time for its round)
+RINS_START_SIZE_RATIO = 1.5
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 # forward memory rows: terms carried from step to step before they fold into one column
@@ -216,6 +222,60 @@ FWD_RUN_TERMS = 8
 # verbose solves print one progress line per PROGRESS_EVERY_S seconds of a HiGHS run; HiGHS' own
 # log (presolve, branch-and-bound tables) instead only with MONET_OPT_HIGHS_LOG=1 (--highs-log)
 PROGRESS_EVERY_S = 10.0
+
+
+def _useful_until(an: Analysis) -> list[int]:
+    """useful_until[i]: the stage node t from which down i's storage may still be needed
+    (some consumer c <= t, i's own state keeping its output, or a view of it)."""
+    big = an.n + 1
+    until = [big] * an.n
+    for i in range(an.n):
+        if an.consumers[i]:
+            until[i] = min(an.consumers[i])
+        if any(im.keeps_output for im in an.impls[i]):
+            until[i] = min(until[i], i)
+    for v in range(an.n - 1, -1, -1):  # a view keeps its base needed
+        b = an.base[v]
+        if b != v:
+            until[b] = min(until[b], until[v])
+    return until
+
+
+def _var_from(an: Analysis, useful: list[int], window: int | None, plan: Plan | None) -> list[int]:
+    """var_from[i]: the first backward stage at which node i has its own S/A/R columns in the
+    window-`window` MILP built around `plan` (`Formulation`)."""
+    if window is None:
+        return [0] * an.n
+    var_from = [an.T] * an.n
+    for s, t in enumerate(an.bw):
+        for i in range(max(0, t - window), t + 1):
+            var_from[i] = min(var_from[i], s)
+    if plan is not None:
+        fimpl = {i: plan.impl[i] for i in plan.F}
+        for s, t in enumerate(an.bw):
+            for i, _m, _g in plan.stages[s].recompute:
+                var_from[i] = min(var_from[i], s)
+            if s == 0:
+                continue
+            prev = plan.stages[s - 1]
+            for i in range(t + 1):
+                if var_from[i] <= s or i in an.user_held:
+                    continue
+                far = i in plan.S0 and t >= useful[i]  # (`Formulation.far_value`)
+                if (i in prev.carry_vals) != far:
+                    var_from[i] = s
+                elif an.rb[i] and prev.carry_states.get(i) != fimpl.get(i):
+                    var_from[i] = s
+    return var_from
+
+
+def own_cells(an: Analysis, window: int | None, plan: Plan | None) -> int:
+    """How many (node, backward stage) pairs have columns of their own in the window-`window`
+    MILP built around `plan`: its size, known before it is built (its columns grow with it)."""
+    var_from = _var_from(an, _useful_until(an), window, plan)
+    # stages 0 .. upto[i] - 1 are the backwards of nodes t >= i (`an.bw` runs from the last node)
+    upto = np.searchsorted(-np.asarray(an.bw), -np.arange(an.n), side="right")
+    return int(np.maximum(upto - np.asarray(var_from), 0).sum())
 
 
 class Formulation:
@@ -258,53 +318,14 @@ class Formulation:
         self.build_time_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------
-    def _useful_until(self) -> list[int]:
-        """useful_until[i]: the stage node t from which down i's storage may still be needed
-        (some consumer c <= t, i's own state keeping its output, or a view of it)."""
-        an = self.an
-        big = an.n + 1
-        until = [big] * an.n
-        for i in range(an.n):
-            if an.consumers[i]:
-                until[i] = min(an.consumers[i])
-            if any(im.keeps_output for im in an.impls[i]):
-                until[i] = min(until[i], i)
-        for v in range(an.n - 1, -1, -1):  # a view keeps its base needed
-            b = an.base[v]
-            if b != v:
-                until[b] = min(until[b], until[v])
-        return until
-
     def far_value(self, i: int, t: int, s0: set[int]) -> bool:
         """The handle of far node i at the stage of t, given the forward keeps s0."""
         return i in s0 and t >= self.useful[i]
 
     def _var_from(self, window: int | None, plan: Plan | None) -> list[int]:
         """var_from[i]: the first backward stage at which node i has its own S/A/R columns."""
-        an = self.an
-        self.useful = self._useful_until()
-        if window is None:
-            return [0] * an.n
-        var_from = [an.T] * an.n
-        for s, t in enumerate(an.bw):
-            for i in range(max(0, t - window), t + 1):
-                var_from[i] = min(var_from[i], s)
-        if plan is not None:
-            fimpl = {i: plan.impl[i] for i in plan.F}
-            for s, t in enumerate(an.bw):
-                for i, _m, _g in plan.stages[s].recompute:
-                    var_from[i] = min(var_from[i], s)
-                if s == 0:
-                    continue
-                prev = plan.stages[s - 1]
-                for i in range(t + 1):
-                    if var_from[i] <= s or i in an.user_held:
-                        continue
-                    if (i in prev.carry_vals) != self.far_value(i, t, plan.S0):
-                        var_from[i] = s
-                    elif an.rb[i] and prev.carry_states.get(i) != fimpl.get(i):
-                        var_from[i] = s
-        return var_from
+        self.useful = _useful_until(self.an)
+        return _var_from(self.an, self.useful, window, plan)
 
     def _build(self) -> None:  # noqa: C901 - one formulation, kept in one place
         an = self.an
@@ -2079,11 +2100,16 @@ def _rins_from_starts(
     plan RINS ended with, that plan, or None if RINS found nothing better than the best so far);
     every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation)."""
     starts = [(form, plan)]
+    size = own_cells(an, window, plan)
     for other in others:
         if len(starts) >= RINS_STARTS or deadline - time.perf_counter() < RINS_START_MIN_S * (
             len(starts) + 1
         ):
             break
+        ratio = own_cells(an, window, other) / max(1, size)
+        if ratio > RINS_START_SIZE_RATIO:
+            log(verbose, f"a RINS start skipped: its MILP would be {ratio:.1f} times the fastest start's")
+            continue
         built = Formulation(an, budget_bytes, window=window, warm_plan=other, backend=form.backend)
         if not built.violations(built.plan_to_vector(other)):
             starts.append((built, other))

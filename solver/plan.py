@@ -465,13 +465,30 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
     by_stage: dict[int, list[int]] = {}
     for i, c in created.items():
         by_stage.setdefault(c, []).append(i)
-    live_states: dict[int, int] = {i: state_impl[i] for i in by_stage.get(-1, [])}
+    live_states: dict[int, int] = {}
+    kept: dict[int, int] = {}  # storages the live states keep -> how many of them keep it
+
+    def set_state(i: int, m: int | None) -> None:  # (None: i's state ends)
+        old = live_states.pop(i, None)
+        if old is not None:
+            for b in an.kept_bases[i][old]:
+                kept[b] -= 1
+                if not kept[b]:
+                    del kept[b]
+        if m is not None:
+            live_states[i] = m
+            for b in an.kept_bases[i][m]:
+                kept[b] = kept.get(b, 0) + 1
+
+    for i in by_stage.get(-1, []):
+        set_state(i, state_impl[i])
     for s_in in range(T + 1):  # handles held when stage s_in starts (T: after the last)
         if s_in > 0:
-            live_states.pop(an.bw[s_in - 1], None)
-            live_states.update({i: state_impl[i] for i in by_stage.get(s_in - 1, [])})
+            set_state(an.bw[s_in - 1], None)
+            for i in by_stage.get(s_in - 1, []):
+                set_state(i, state_impl[i])
         if s_in < T:
-            vals = _handed_on(an, need_into[s_in], live_states, an.bw[s_in])
+            vals = _handed_on(an, need_into[s_in], live_states, an.bw[s_in], kept)
             st = dict(live_states)
         else:
             vals, st = set(), {}
@@ -481,14 +498,18 @@ def _finish_plan(an: Analysis, impl: list[int], F: set[int], rec: list[list[tupl
     return Plan(impl=list(impl), F=set(F), S0=carried[0], stages=stages)
 
 
-def _handed_on(an: Analysis, vals, states: dict[int, int], upto: int) -> set[int]:
+def _handed_on(an: Analysis, vals, states: dict[int, int], upto: int, kept=None) -> set[int]:
     """The handles a plan holds when the stage of node `upto` starts: `vals`, the storages the
     held `states` keep, the bases of all of them (a view holds its base) and the user's values,
-    those up to `upto` (the MILP's S: a storage something holds has its handle held)."""
+    those up to `upto` (the MILP's S: a storage something holds has its handle held).
+    `kept`: the storages `states` keep, if known (a collection of bases)."""
     held = set(vals)
-    for i, m in states.items():
-        held.update(an.kept_bases[i][m])
-    held.update([an.base[v] for v in held])
+    held.update([an.base[v] for v in vals])
+    if kept is None:
+        for i, m in states.items():
+            held.update(an.kept_bases[i][m])  # (bases already)
+    else:
+        held.update(kept)
     held.update(an.user_held)
     return {v for v in held if v <= upto}
 
@@ -591,15 +612,14 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
                 last_use[j] = k
         recset = set(rec_nodes)
         regrad = {i for i, _m, g in sp.recompute if g}
-        # states not carried (and not t's) go first
-        for i in sorted(held_states):
-            if i != t and (i not in sp.carry_states or i in regrad):
-                steps.append(Step("free_state", names[i]))
-                del held_states[i]
-        for j in sorted(held_vals):
-            if j in recset or (j not in sp.carry_vals and j not in last_use):
-                steps.append(Step("free_value", names[j]))
-                held_vals.discard(j)
+        # states not carried (and not t's) go first (set algebra: the held sets are large)
+        dropped = (held_states.keys() - sp.carry_states.keys()) | (regrad & held_states.keys())
+        for i in sorted(dropped - {t}):
+            steps.append(Step("free_state", names[i]))
+            del held_states[i]
+        for j in sorted((held_vals & recset) | (held_vals - sp.carry_vals - last_use.keys())):
+            steps.append(Step("free_value", names[j]))
+            held_vals.discard(j)
         for k, (i, m, g) in enumerate(sp.recompute):
             for j in an.step_inputs(i, m):
                 if j not in held_vals:
@@ -626,18 +646,16 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
             raise PlanError(f"stage {s}: no state for {names[t]}")
         steps.append(Step("backward", names[t]))
         del held_states[t]
-        for j in sorted(held_vals):
-            if j not in sp.carry_vals:
-                steps.append(Step("free_value", names[j]))
-                held_vals.discard(j)
-        for i in sorted(held_states):
-            if i not in sp.carry_states:
-                steps.append(Step("free_state", names[i]))
-                del held_states[i]
-        missing = set(sp.carry_vals) - held_vals
+        for j in sorted(held_vals - sp.carry_vals):
+            steps.append(Step("free_value", names[j]))
+            held_vals.discard(j)
+        for i in sorted(held_states.keys() - sp.carry_states.keys()):
+            steps.append(Step("free_state", names[i]))
+            del held_states[i]
+        missing = sp.carry_vals - held_vals
         if missing:
             raise PlanError(f"stage {s}: carries handles it does not hold: {[names[j] for j in missing]}")
-        missing_st = set(sp.carry_states) - set(held_states)
+        missing_st = sp.carry_states.keys() - held_states.keys()
         if missing_st:
             raise PlanError(f"stage {s}: carries states it does not hold: {[names[j] for j in missing_st]}")
         stages.append(Stage(f"backward:{names[t]}", tuple(steps)))

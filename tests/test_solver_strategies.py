@@ -1203,6 +1203,43 @@ def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkey
         assert form.objective(x) == pytest.approx(found[-1], rel=1e-9)
 
 
+def test_a_rins_start_whose_milp_would_be_much_larger_is_skipped_before_it_is_built(monkeypatch, capsys):
+    """A further RINS start whose window MILP would have more than RINS_START_SIZE_RATIO times the
+    own columns of the fastest start's (`own_cells`, counted without building it) is skipped, and
+    the next fitting plan starts instead. own_cells orders the MILPs as their built sizes do."""
+    import time
+
+    from solver import milp as M
+
+    an, budget, form, plan, others, found, keep = _rins_starts_case()
+    heavy = B.policy_plan(an.problem, None, set(), set())  # keeps nothing: recomputes from the input
+    ratio = M.own_cells(an, 6, heavy) / M.own_cells(an, 6, plan)
+    assert ratio > M.RINS_START_SIZE_RATIO
+    nexts = others[:2]  # (the two starts after the fastest)
+    assert all(M.own_cells(an, 6, o) <= M.RINS_START_SIZE_RATIO * M.own_cells(an, 6, plan) for o in nexts)
+    built_heavy = Formulation(an, budget, window=6, warm_plan=heavy)
+    assert built_heavy.n_cols > M.RINS_START_SIZE_RATIO * form.n_cols  # (what the estimate stands for)
+
+    made: list = []
+    real = M.Formulation
+
+    class Recording(real):
+        def __init__(self, *args, **kw):
+            made.append(kw.get("warm_plan"))
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(M, "Formulation", Recording)
+    solved: list[tuple] = []
+    M._rins_from_starts(
+        an, budget, 6, form, plan, [heavy, *others], time.perf_counter() + 30.0, 2, True, keep, solved
+    )
+    log = capsys.readouterr().err
+    assert f"a RINS start skipped: its MILP would be {ratio:.1f} times the fastest start's" in log, log
+    assert "RINS from 3 starts" in log, log
+    assert not any(m is heavy for m in made)
+    assert [id(m) for m in made] == [id(o) for o in nexts]
+
+
 def test_highs_goes_on_in_the_smaller_milp_built_around_the_plan_rins_found():
     """After RINS, HiGHS' main run goes on in the window's MILP built around the plan RINS ended
     with when that MILP is smaller than the one around RINS' start (a start far from the window's
