@@ -212,9 +212,9 @@ RINS_START_MIN_S = 3.0
 # ... and only if its MILP has at most this many times the own columns (`own_cells`) of the
 # fastest start's: building it and solving its LP relaxation grow faster than its size (356-node
 # synthetic DAG at 0.6: segment_sweep's plan, 6.1 times, 152k columns against 26.5k, built in 8
-# s, its LP not solved in the 5.7 s it had; ResNet-50 b8 224 at 0.33: 1.9 times, LP 7.5 s
-# against 1.3, while the start before it was short of time for its round)
-RINS_START_SIZE_RATIO = 1.5
+# s, its LP not solved in the 5.8 s it had). Not lower: on ResNet-50 b8 224 (Adam step in the
+# backward, 0.5) a start of 2.1 times led to the best plan (1.0728; 1.0787 with it skipped at 1.5)
+RINS_START_SIZE_RATIO = 3.0
 # peak mode's time preference: MiB added per no-recompute step time of predicted time
 PEAK_MODE_TIME_MIB = 1.0
 # forward memory rows: terms carried from step to step before they fold into one column
