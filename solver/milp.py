@@ -261,7 +261,7 @@ def _var_from(an: Analysis, useful: list[int], window: int | None, plan: Plan | 
             for i in range(t + 1):
                 if var_from[i] <= s or i in an.user_held:
                     continue
-                far = i in plan.S0 and t >= useful[i]  # (`Formulation.far_value`)
+                far = i in plan.S0 and t >= useful[i]  # far i's handle: S[0,i] while still useful
                 if (i in prev.carry_vals) != far:
                     var_from[i] = s
                 elif an.rb[i] and prev.carry_states.get(i) != fimpl.get(i):
@@ -312,21 +312,13 @@ class Formulation:
         )
         self.stop_at_objective: float | None = None  # peak mode: stop once a plan's peak (MiB) is <= this
         self.backend = backend  # "highs" or "gurobi" (`solver.gurobi_milp`): what `solve_milp` runs
-        self.var_from = self._var_from(window, warm_plan)
+        self.useful = _useful_until(an)
+        self.var_from = _var_from(an, self.useful, window, warm_plan)
         t0 = time.perf_counter()
         self._build()
         self.build_time_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------
-    def far_value(self, i: int, t: int, s0: set[int]) -> bool:
-        """The handle of far node i at the stage of t, given the forward keeps s0."""
-        return i in s0 and t >= self.useful[i]
-
-    def _var_from(self, window: int | None, plan: Plan | None) -> list[int]:
-        """var_from[i]: the first backward stage at which node i has its own S/A/R columns."""
-        self.useful = _useful_until(self.an)
-        return _var_from(self.an, self.useful, window, plan)
-
     def _build(self) -> None:  # noqa: C901 - one formulation, kept in one place
         an = self.an
         md = _Model()
@@ -2146,9 +2138,9 @@ def _rins_from_starts(
     if winner is None:
         if first_lp is None or deadline - time.perf_counter() < 2.0:
             return form, None
-        # no start's round found anything in its share: RINS goes on from the fastest start with
-        # the rest of the time, as it would from that start alone (356-node synthetic DAG at 0.33:
-        # its neighbourhood needs 8 s, and each start's round had 6)
+        # no start's round found a plan faster than the fastest start in its share: RINS goes on
+        # from the fastest start with the rest of the time, as it would from that start alone
+        # (356-node synthetic DAG at 0.33: its neighbourhood needs 8 s, and each start's round had 6)
         log(verbose, "no start's round beat the fastest start: RINS goes on from the fastest start")
         return form, _rins(form, plan, deadline, threads, verbose, accept, lp=first_lp)
     f, got, lp = winner
