@@ -56,7 +56,7 @@ def solve_formulation(
     import gurobipy as gp
     from gurobipy import GRB
 
-    from solver.milp import INF
+    from solver.formulation import INF
 
     t_enter = time.perf_counter()
     scaled, A, r_lo, r_hi, lower, upper = form.scaled_model(fixed)

@@ -1,6 +1,6 @@
 """Replay a schedule against a problem: peak memory, time, and validity.
 
-This module is the judge. It shares no code with the formulation in `solver.milp`
+This module is the judge. It shares no code with the formulation in `solver.formulation`
 or with the baselines; every strategy's schedule is checked here.
 
 The memory model (the formulation and `monet_opt.runtime` follow it)

@@ -12,7 +12,8 @@ import pytest
 
 from solver import GurobiUnavailable, min_feasible_lower_bound, minimum_peak, simulate, solve
 from solver import baselines as B
-from solver.milp import Formulation, check_backend
+from solver.formulation import Formulation
+from solver.milp import check_backend
 from solver.synthetic import chain, problem_zoo
 
 try:

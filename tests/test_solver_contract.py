@@ -25,13 +25,13 @@ from solver import (
     solve,
 )
 from solver import baselines as B
-from solver.milp import Formulation
+from solver.formulation import Formulation
 from solver.synthetic import chain, random_dag, resnet
 
 
 def test_import_solver_pulls_no_torch():
     code = (
-        "import sys, solver, solver.milp, solver.baselines, solver.bounds, solver.synthetic; "
+        "import sys, solver, solver.milp, solver.formulation, solver.local_search, solver.baselines, solver.bounds, solver.synthetic; "
         "sys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, simulate, solve
 from solver import baselines as B
-from solver.milp import Formulation
+from solver.formulation import Formulation
 from solver.plan import lazy_plan
 from solver.synthetic import chain, random_dag
 

@@ -10,10 +10,20 @@ import re
 import numpy as np
 import pytest
 
-from solver import InfeasibleBudget, NoScheduleFound, min_feasible_lower_bound, minimum_peak, simulate, solve
+from solver import (
+    InfeasibleBudget,
+    NoScheduleFound,
+    formulation,
+    local_search,
+    min_feasible_lower_bound,
+    minimum_peak,
+    simulate,
+    solve,
+)
 from solver import baselines as B
 from solver.baselines import plan_of
-from solver.milp import Formulation, _holds, window_ladder
+from solver.formulation import Formulation
+from solver.milp import _holds, window_ladder
 from solver.plan import Analysis, to_schedule
 from solver.schedule import SolverInfo
 from solver.synthetic import chain, problem_zoo, random_dag, resnet, with_step_in_backward
@@ -301,14 +311,12 @@ def test_time_spent_before_the_first_time_milp_still_returns_the_fitting_plan(mo
     b8 224 at 0.34 with a 30 s limit, the peak ladder took 75 % and RINS the rest.)"""
     import time
 
-    import solver.milp as M
-
     def slow_rins(form, plan, deadline, *args, **kwargs):
         time.sleep(max(0.0, deadline - time.perf_counter()))
         return None
 
     monkeypatch.setattr(B, "multilevel_starts", lambda *args, **kwargs: [])
-    monkeypatch.setattr(M, "_rins", slow_rins)
+    monkeypatch.setattr(local_search, "rins", slow_rins)
     p = PROBLEMS["resnet50"]
     known, low = _below_every_baseline()
     budget = (low.predicted_peak_bytes + known) // 2
@@ -439,11 +447,9 @@ def test_polish_improves_a_plan_and_keeps_it_within_budget(name):
     valid schedule that fits."""
     import time
 
-    from solver.milp import _polish
-
     form, plan, accept, times = _from_sqrt_n(name)
     with pytest.raises(_Improved):  # (the first faster plan is what this test wanted to see)
-        _polish(
+        local_search.polish(
             form, plan, time.perf_counter() + 20.0, threads=2, verbose=False, accept=_until_better(accept)
         )
     assert len(times) > 1, "no band improved sqrt(n) checkpointing"
@@ -455,17 +461,15 @@ def test_node_bands_improve_a_plan_without_stage_bands(name, monkeypatch):
     their own: with the stage bands freeing nothing, they still find faster valid plans that fit."""
     import time
 
-    import solver.milp as M
-
     form, plan, accept, times = _from_sqrt_n(name)
     cols = form.node_columns(range(5, 10))
     for s in range(form.an.T):  # each of those nodes' columns at every stage it has one
         for i in range(5, 10):
             assert form.S[s].get(i) is None or form.S[s][i] in cols
             assert set(form.R[s].get(i, ())) <= cols and set(form.A[s].get(i, ())) <= cols
-    monkeypatch.setattr(M.Formulation, "band_columns", lambda self, stages, nodes: set())
+    monkeypatch.setattr(Formulation, "band_columns", lambda self, stages, nodes: set())
     with pytest.raises(_Improved):
-        M._polish(
+        local_search.polish(
             form, plan, time.perf_counter() + 20.0, threads=2, verbose=False, accept=_until_better(accept)
         )
     assert len(times) > 1, "no node band improved sqrt(n) checkpointing"
@@ -477,14 +481,12 @@ def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
     wider bands find faster plans the narrow ones could not (tiny bands here: 1 stage, 2 nodes)."""
     import time
 
-    import solver.milp as M
-
     # (random24: the same narrow-then-wider sequence as resnet_bneck60, in 2.5 s instead of 22-33)
     form, plan, accept, times = _from_sqrt_n("random24")
-    monkeypatch.setattr(M, "POLISH_SPAN", 1)
-    monkeypatch.setattr(M, "POLISH_NODES", 2)
+    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
+    monkeypatch.setattr(local_search, "POLISH_NODES", 2)
     events = []  # the log's lines and "better <objective>" for each accepted plan, in order
-    monkeypatch.setattr(M, "log", lambda verbose, msg: events.append(msg))
+    monkeypatch.setattr(local_search, "log", lambda verbose, msg: events.append(msg))
 
     class Enough(Exception):
         pass
@@ -498,7 +500,9 @@ def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
         return ok
 
     with pytest.raises(Enough):  # (polishing would go on to its deadline, widening further)
-        M._polish(form, plan, time.perf_counter() + 60.0, threads=2, verbose=True, accept=accept_logged)
+        local_search.polish(
+            form, plan, time.perf_counter() + 60.0, threads=2, verbose=True, accept=accept_logged
+        )
     widened = [k for k, e in enumerate(events) if e.startswith("polish: every band optimal")]
     better = [k for k, e in enumerate(events) if e.startswith("better")]
     assert better[0] < widened[0] < better[-1]  # narrow bands improved, stopped, wider ones went on
@@ -558,8 +562,6 @@ def test_rins_improves_a_plan_and_keeps_it_within_budget(name):
     each a valid schedule that fits, and a plan of the window's MILP (it warm-starts it)."""
     import time
 
-    from solver.milp import _rins
-
     form, plan, accept, times = _from_sqrt_n(name)
     lp = form.solve_highs(20.0, relax=True)
     assert lp.status == "optimal" and lp.plan is None
@@ -571,7 +573,9 @@ def test_rins_improves_a_plan_and_keeps_it_within_budget(name):
         assert objective >= lp.objective - 1e-9  # the relaxation bounds every plan
         return accept(plan, objective)
 
-    best = _rins(form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=accept_in_window)
+    best = local_search.rins(
+        form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=accept_in_window
+    )
     assert best is not None and len(times) > 1, "RINS did not improve sqrt(n) checkpointing"
 
 
@@ -581,7 +585,7 @@ def test_highs_model_scaling_is_exact_and_well_ranged():
     back exactly and a scaled row holds exactly when the unscaled one does."""
     import numpy as np
 
-    from solver.milp import _Scaling
+    from solver.formulation import _Scaling
 
     p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
     an = B.analysis(p)
@@ -664,15 +668,13 @@ def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch
     than greedy). The next fitting baseline is then the warm start."""
     import dataclasses
 
-    from solver import milp
-
     p = PROBLEMS["resnet50"]
     budget = int(0.8 * B.no_recompute(p).predicted_peak_bytes)
     # deterministic baselines (greedy's and multilevel's results depend on the time they get)
     fits = [dataclasses.replace(s, budget_bytes=budget) for s in (B.chen_sqrt(p), B.checkpoint_all(p))]
     assert all(s.predicted_peak_bytes <= budget for s in fits)
     rejected = B.plan_of(p, fits[0])
-    real = milp.Formulation.violations
+    real = Formulation.violations
 
     def violations(form, x, tol=1e-6):
         if np.array_equal(x, form.plan_to_vector(rejected)):
@@ -687,8 +689,8 @@ def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch
         )
         return None
 
-    monkeypatch.setattr(milp.Formulation, "violations", violations)
-    monkeypatch.setattr(milp, "_rins", rins)
+    monkeypatch.setattr(Formulation, "violations", violations)
+    monkeypatch.setattr(local_search, "rins", rins)
     monkeypatch.setattr(B, "fitting_baselines", lambda *a, **k: fits)
     monkeypatch.setattr(B, "best_baseline", lambda *a, **k: fits[0])
     s = solve(p, budget, time_limit=4, verbose=False)
@@ -705,22 +707,22 @@ def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch, capfd):
     progress lines give its bound against the plan polishing holds."""
     import threading
 
-    import solver.milp as M
-
     seen = []  # per polishing call: (HiGHS' thread alive when it started, given a stop)
-    real = M._polish
+    real = local_search.polish
 
     def watched(*args, **kwargs):
         alive = any(t.name == "monet-opt-highs" and t.is_alive() for t in threading.enumerate())
         seen.append((alive, kwargs.get("stop") is not None))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(M, "_polish", watched)
+    monkeypatch.setattr(local_search, "polish", watched)
     # (no RINS: HiGHS and polishing then start from the window's warm start)
-    monkeypatch.setattr(M, "_rins_from_starts", lambda an, b, w, form, *args, **kwargs: (form, None))
+    monkeypatch.setattr(
+        local_search, "rins_from_starts", lambda an, b, w, form, *args, **kwargs: (form, None)
+    )
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
-    monkeypatch.setattr(M, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(formulation, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.delenv("MONET_OPT_HIGHS_LOG", raising=False)
     s = solve(p, budget, time_limit=8, window=6, verbose=True)
     _check(p, s, budget)
@@ -743,8 +745,6 @@ def test_an_error_while_polishing_stops_highs_beside_it():
     is stopped instead of waited for."""
     import time
 
-    import solver.milp as M
-
     form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
 
     class Interrupted(Exception):
@@ -755,7 +755,9 @@ def test_an_error_while_polishing_stops_highs_beside_it():
 
     t0 = time.perf_counter()
     with pytest.raises(Interrupted):
-        M._highs_beside_polish(form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, interrupted)
+        local_search.highs_beside_polish(
+            form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, interrupted
+        )
     took = time.perf_counter() - t0
     assert took < 40.0, f"the error reached the caller after {took:.0f} s"
 
@@ -766,12 +768,10 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     (Bands of one stage or node, each made to take 0.3 s: polishing alone would run over a minute.)"""
     import time
 
-    import solver.milp as M
-
     form, plan, accept, times = _from_sqrt_n("random24")
-    monkeypatch.setattr(M, "POLISH_SPAN", 1)
-    monkeypatch.setattr(M, "POLISH_NODES", 1)
-    real = M.Formulation.solve_highs
+    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
+    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
+    real = Formulation.solve_highs
     band_starts, highs_ended = [], []
 
     def timed(self, *args, **kwargs):
@@ -783,9 +783,11 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
         highs_ended.append(time.perf_counter())
         return res
 
-    monkeypatch.setattr(M.Formulation, "solve_highs", timed)
+    monkeypatch.setattr(Formulation, "solve_highs", timed)
     t0 = time.perf_counter()
-    res = M._highs_beside_polish(form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, accept)
+    res = local_search.highs_beside_polish(
+        form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, accept
+    )
     took = time.perf_counter() - t0
     assert res.status == "optimal", res.status
     assert band_starts, "no polishing beside HiGHS"
@@ -890,15 +892,13 @@ def test_a_wider_window_that_would_overrun_the_time_limit_is_skipped(monkeypatch
     fits in the time left; an overrunning one would prove nothing in time."""
     import time
 
-    import solver.milp as M
-
-    original = M.Formulation.solve_milp
+    original = Formulation.solve_milp
 
     def slow(self, time_limit, **kw):  # every backend call takes a second more
         time.sleep(1.0)
         return original(self, time_limit, **kw)
 
-    monkeypatch.setattr(M.Formulation, "solve_milp", slow)
+    monkeypatch.setattr(Formulation, "solve_milp", slow)
     p = PROBLEMS["chain12"]
     budget = int(0.7 * simulate(p, B.no_recompute(p)).peak_bytes)
     s = solve(p, budget, time_limit=8, verbose=True)
@@ -931,9 +931,8 @@ def test_a_budget_under_the_smallest_peak_names_a_budget_that_works(name):
 def test_verbose_solves_print_progress_lines_not_the_highs_log(capfd, monkeypatch):
     """verbose: '[solver]' lines on stderr, among them HiGHS' progress every PROGRESS_EVERY_S;
     HiGHS' own log (on the C stdout) only with MONET_OPT_HIGHS_LOG=1."""
-    import solver.milp as M
 
-    monkeypatch.setattr(M, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(formulation, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.delenv("MONET_OPT_HIGHS_LOG", raising=False)
     p = PROBLEMS["resnet50"]
     solve(p, 0.6, time_limit=3, verbose=True)
@@ -995,9 +994,7 @@ def test_a_plan_proven_within_the_asked_gap_is_not_polished(monkeypatch):
     skipped; asked for a tighter gap than proven, the solve polishes as before."""
     import dataclasses as dc
 
-    import solver.milp as M
-
-    original = M.Formulation.solve_highs
+    original = Formulation.solve_highs
 
     def stalled(self, *args, **kwargs):  # every MILP run ends as if interrupted on a stall
         res = original(self, *args, **kwargs)
@@ -1005,9 +1002,9 @@ def test_a_plan_proven_within_the_asked_gap_is_not_polished(monkeypatch):
         return dc.replace(res, status="time_limit") if stop else res
 
     polished = []
-    polish = M._polish
-    monkeypatch.setattr(M.Formulation, "solve_highs", stalled)
-    monkeypatch.setattr(M, "_polish", lambda *a, **k: polished.append(1) or polish(*a, **k))
+    polish = local_search.polish
+    monkeypatch.setattr(Formulation, "solve_highs", stalled)
+    monkeypatch.setattr(local_search, "polish", lambda *a, **k: polished.append(1) or polish(*a, **k))
     p = PROBLEMS["resnet50"]
     budget = int(0.8 * B.no_recompute(p).predicted_peak_bytes)
     # (here the LP relaxation alone proves RINS' plan within 4.3 %, whatever HiGHS' run adds; the
@@ -1142,12 +1139,10 @@ def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
     HiGHS and polishing go on with), and each LP relaxation solved bounds its own MILP."""
     import time
 
-    from solver.milp import _rins_from_starts
-
     an, budget, form, plan, others, found, keep = _rins_starts_case()
 
     solved: list[tuple] = []
-    end_form, best = _rins_from_starts(
+    end_form, best = local_search.rins_from_starts(
         an, budget, 6, form, plan, others, time.perf_counter() + 40.0, 2, True, keep, solved
     )
     log = capsys.readouterr().err
@@ -1170,14 +1165,22 @@ def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkey
     greedy plan itself.)"""
     import time
 
-    from solver import milp as M
-
     an, budget, form, plan, others, found, keep = _rins_starts_case()
 
-    real = M._rins
+    real = local_search.rins
     calls: list[tuple] = []
 
-    def rins(f, begin, deadline, threads, verbose, accept, relaxations=None, rounds=M.RINS_ROUNDS, lp=None):
+    def rins(
+        f,
+        begin,
+        deadline,
+        threads,
+        verbose,
+        accept,
+        relaxations=None,
+        rounds=local_search.RINS_ROUNDS,
+        lp=None,
+    ):
         calls.append((f, begin, rounds, lp))
         if rounds == 1:  # every start's round finds nothing
             return None
@@ -1185,14 +1188,14 @@ def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkey
             f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
         )
 
-    monkeypatch.setattr(M, "_rins", rins)
+    monkeypatch.setattr(local_search, "rins", rins)
     solved: list[tuple] = []
-    end_form, best = M._rins_from_starts(
+    end_form, best = local_search.rins_from_starts(
         an, budget, 6, form, plan, others, time.perf_counter() + 30.0, 2, True, keep, solved
     )
     log = capsys.readouterr().err
     assert "RINS from 3 starts" in log and "RINS goes on from the fastest start" in log, log
-    assert [c[2] for c in calls] == [1, 1, 1, M.RINS_ROUNDS]
+    assert [c[2] for c in calls] == [1, 1, 1, local_search.RINS_ROUNDS]
     f, begin, _rounds, lp = calls[-1]
     assert f is form and begin is plan
     assert lp is solved[0][0] and solved[0][1] is form  # its LP, not solved again
@@ -1210,8 +1213,6 @@ def test_a_start_round_slower_than_the_fastest_start_does_not_win(monkeypatch, c
     start's 1.5584 s against greedy's 1.4806, and the solve fell back to the greedy plan)."""
     import time
 
-    from solver import milp as M
-
     an, budget, _form, plan, others, found, keep = _rins_starts_case()
 
     def seconds(c):
@@ -1221,10 +1222,20 @@ def test_a_start_round_slower_than_the_fastest_start_does_not_win(monkeypatch, c
     fastest, rest = cands[0], cands[1:]
     assert seconds(rest[0]) > seconds(fastest)
     form = Formulation(an, budget, window=6, warm_plan=fastest)
-    real = M._rins
+    real = local_search.rins
     calls: list[tuple] = []
 
-    def rins(f, begin, deadline, threads, verbose, accept, relaxations=None, rounds=M.RINS_ROUNDS, lp=None):
+    def rins(
+        f,
+        begin,
+        deadline,
+        threads,
+        verbose,
+        accept,
+        relaxations=None,
+        rounds=local_search.RINS_ROUNDS,
+        lp=None,
+    ):
         calls.append((f, begin, rounds))
         if rounds == 1:  # the fastest start's round finds nothing; the others "find" their start
             return None if begin is fastest else begin
@@ -1232,13 +1243,13 @@ def test_a_start_round_slower_than_the_fastest_start_does_not_win(monkeypatch, c
             f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
         )
 
-    monkeypatch.setattr(M, "_rins", rins)
-    end_form, _best = M._rins_from_starts(
+    monkeypatch.setattr(local_search, "rins", rins)
+    end_form, _best = local_search.rins_from_starts(
         an, budget, 6, form, fastest, rest, time.perf_counter() + 30.0, 2, True, keep, []
     )
     log = capsys.readouterr().err
     assert "RINS goes on from the fastest start" in log, log
-    assert calls[-1] == (form, fastest, M.RINS_ROUNDS)
+    assert calls[-1] == (form, fastest, local_search.RINS_ROUNDS)
     assert end_form is form
 
 
@@ -1248,28 +1259,32 @@ def test_a_rins_start_whose_milp_would_be_much_larger_is_skipped_before_it_is_bu
     the next fitting plan starts instead. own_cells orders the MILPs as their built sizes do."""
     import time
 
-    from solver import milp as M
-
     an, budget, form, plan, others, found, keep = _rins_starts_case()
     heavy = B.policy_plan(an.problem, None, set(), set())  # keeps nothing: recomputes from the input
-    ratio = M.own_cells(an, 6, heavy) / M.own_cells(an, 6, plan)
-    assert ratio > M.RINS_START_SIZE_RATIO
+    ratio = formulation.own_cells(an, 6, heavy) / formulation.own_cells(an, 6, plan)
+    assert ratio > local_search.RINS_START_SIZE_RATIO
     nexts = others[:2]  # (the two starts after the fastest)
-    assert all(M.own_cells(an, 6, o) <= M.RINS_START_SIZE_RATIO * M.own_cells(an, 6, plan) for o in nexts)
+    assert all(
+        formulation.own_cells(an, 6, o)
+        <= local_search.RINS_START_SIZE_RATIO * formulation.own_cells(an, 6, plan)
+        for o in nexts
+    )
     built_heavy = Formulation(an, budget, window=6, warm_plan=heavy)
-    assert built_heavy.n_cols > M.RINS_START_SIZE_RATIO * form.n_cols  # (what the estimate stands for)
+    assert (
+        built_heavy.n_cols > local_search.RINS_START_SIZE_RATIO * form.n_cols
+    )  # (what the estimate stands for)
 
     made: list = []
-    real = M.Formulation
+    real = Formulation
 
     class Recording(real):
         def __init__(self, *args, **kw):
             made.append(kw.get("warm_plan"))
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(M, "Formulation", Recording)
+    monkeypatch.setattr(local_search, "Formulation", Recording)
     solved: list[tuple] = []
-    M._rins_from_starts(
+    local_search.rins_from_starts(
         an, budget, 6, form, plan, [heavy, *others], time.perf_counter() + 30.0, 2, True, keep, solved
     )
     log = capsys.readouterr().err

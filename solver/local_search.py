@@ -1,0 +1,377 @@
+"""Improving a plan inside one MILP: RINS (relaxation-induced neighbourhood search, from one or
+several start plans) and polishing (sub-MILPs over bands of stages or nodes, beside or after
+HiGHS' own run). Each helper takes the `Formulation` to search in and an `accept(plan,
+objective)` that replays a candidate with the simulator and keeps it; `solver.milp` decides when
+each runs and for how long."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from solver.formulation import Formulation, MilpResult, own_cells
+from solver.plan import Plan
+from solver.progress import log
+
+# polishing: the band of backward stages each sub-MILP may change, and its time limit
+POLISH_SPAN = 16
+POLISH_SUB_LIMIT_S = 5.0
+# ... and the node bands: this many consecutive nodes' columns at every stage, each sub-MILP's limit
+POLISH_NODES = 24
+POLISH_NODE_LIMIT_S = 5.0
+# bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
+# mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
+# sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
+# at a time
+POLISH_WORKERS = 2
+# time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
+# share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
+# many rounds (each re-fixes what agrees with the new incumbent) it may run
+RINS_LP_SHARE = 0.3
+RINS_SUB_LIMIT_S = 20.0
+RINS_ROUNDS = 4
+# ... in the first window, one round of RINS from each of up to RINS_STARTS fitting plans (the
+# fastest that the window's rows accept; each in its own MILP, built around it) in this share of
+# the remaining time, before the rounds go on from the best. Where RINS ends depends on where it
+# starts, not on how fast the start is: ResNet-50 b8 224 (session-21 problems), RINS from four
+# multilevel plans: kept 0.4 1.578 / 1.642 / 1.617 / 1.638 s (the fastest start gave the best),
+# Adam 0.33 1.657 / 1.563 / 1.560 / 1.738 s
+RINS_STARTS = 3
+RINS_STARTS_SHARE = 0.5
+# ... a further start only with this many seconds left per start
+RINS_START_MIN_S = 3.0
+# ... and only if its MILP has at most this many times the own columns (`own_cells`) of the
+# fastest start's: building it and solving its LP relaxation grow faster than its size (356-node
+# synthetic DAG at 0.6: segment_sweep's plan, 6.1 times, 152k columns against 26.5k, built in 8
+# s, its LP not solved in the 5.8 s it had). Not lower: on ResNet-50 b8 224 (Adam step in the
+# backward, 0.5) a start of 2.1 times led to the best plan (1.0728; 1.0787 with it skipped at 1.5)
+RINS_START_SIZE_RATIO = 3.0
+
+
+def rins_from_starts(
+    an, budget_bytes, window, form, plan, others, deadline, threads, verbose, accept, solved
+) -> tuple[Formulation, Plan | None]:
+    """RINS from `plan` in `form`, and first from up to RINS_STARTS - 1 of `others` (fitting
+    plans, fastest first; each in a window-`window` MILP built around it, if its rows accept it):
+    one round from each in RINS_STARTS_SHARE of the time left, then the rest of the rounds from
+    the best plan found, in its MILP (from `plan` again, if no round found one). (One MILP
+    holding every start has more columns, and RINS' neighbourhoods in it are wider: ResNet-50 b8
+    224, Adam step in the backward, at 0.25, RINS from multilevel's plan found 1.674 s in 6.4 s in
+    the MILP around it, nothing in 7 s in the MILP around three plans.) Returns (the MILP of the
+    plan RINS ended with, that plan, or None if RINS found nothing better than the best so far);
+    every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation)."""
+    starts = [(form, plan)]
+    size = own_cells(an, window, plan)
+    for other in others:
+        if len(starts) >= RINS_STARTS or deadline - time.perf_counter() < RINS_START_MIN_S * (
+            len(starts) + 1
+        ):
+            break
+        ratio = own_cells(an, window, other) / max(1, size)
+        if ratio > RINS_START_SIZE_RATIO:
+            log(verbose, f"a RINS start skipped: its MILP would be {ratio:.1f} times the fastest start's")
+            continue
+        built = Formulation(an, budget_bytes, window=window, warm_plan=other, backend=form.backend)
+        if not built.violations(built.plan_to_vector(other)):
+            starts.append((built, other))
+    if len(starts) == 1:
+        found: list[MilpResult] = []
+        got = rins(form, plan, deadline, threads, verbose, accept, relaxations=found)
+        solved.extend((lp, form) for lp in found)
+        return form, got
+    log(verbose, f"RINS from {len(starts)} starts")
+    phase_end = time.perf_counter() + RINS_STARTS_SHARE * (deadline - time.perf_counter())
+    winner = None  # (MILP, plan, LP relaxation) of the last start whose round beat every other
+    first_lp = None  # the fastest start's LP relaxation
+    # a round's plan wins only if it is faster than the fastest start itself: `accept` keeps any
+    # plan that beats the plans found so far, which need not include the start (356-node DAG at
+    # 0.6: the greedy start's round found nothing in its share, the next start's round found
+    # 1.5584 s against greedy's 1.4806, RINS went on from there and the solve fell back to greedy)
+    bar = form.objective(form.plan_to_vector(plan))
+    for k, (f, start) in enumerate(starts):
+        now = time.perf_counter()
+        if deadline - now < 2.0:
+            break
+        # (the LP takes what it needs; the round, what is left of this start's share)
+        lp = relaxation(f, RINS_LP_SHARE * (deadline - now), threads, verbose)
+        if lp is None:
+            continue
+        solved.append((lp, f))
+        got = rins(
+            f, start, now + (phase_end - now) / (len(starts) - k), threads, verbose, accept, rounds=1, lp=lp
+        )
+        if f is form:
+            first_lp = lp
+        if got is not None and f.objective(f.plan_to_vector(got)) < bar - 1e-9:
+            winner = (f, got, lp)
+    if winner is None:
+        if first_lp is None or deadline - time.perf_counter() < 2.0:
+            return form, None
+        # no start's round found a plan faster than the fastest start in its share: RINS goes on
+        # from the fastest start with the rest of the time, as it would from that start alone
+        # (356-node synthetic DAG at 0.33: its neighbourhood needs 8 s, and each start's round had 6)
+        log(verbose, "no start's round beat the fastest start: RINS goes on from the fastest start")
+        return form, rins(form, plan, deadline, threads, verbose, accept, lp=first_lp)
+    f, got, lp = winner
+    return f, rins(f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp) or got
+
+
+def relaxation(form: Formulation, seconds: float, threads: int, verbose: bool) -> MilpResult | None:
+    """`form`'s LP relaxation solved within `seconds` (RINS' start), or None if not optimal."""
+    lp = form.solve_milp(seconds, threads=threads, relax=True)
+    if lp.x is None or lp.status != "optimal":
+        log(verbose, f"RINS: LP relaxation {lp.status} in {lp.solve_time_s:.1f} s; skipped")
+        return None
+    log(verbose, f"RINS: LP relaxation {lp.objective:.4f} in {lp.solve_time_s:.1f} s")
+    return lp
+
+
+def rins(
+    form: Formulation,
+    plan: Plan,
+    deadline: float,
+    threads: int,
+    verbose: bool,
+    accept,
+    relaxations=None,
+    rounds: int = RINS_ROUNDS,
+    lp: MilpResult | None = None,
+) -> Plan | None:
+    """Relaxation-induced neighbourhood search (Danna, Rothberg & Le Pape 2005) from `plan`.
+
+    Solves the LP relaxation of `form` once, then the MILP with every integer column fixed
+    where the relaxation agrees with the incumbent; repeats with the new incumbent while it
+    improves. HiGHS runs RINS itself, but only after its root cut rounds: on ResNet-50 b8 224
+    at 0.33 (window 6) those took 42 s before its RINS took the multilevel plan from +60 % to
+    +35 % predicted; the bare LP takes 2 s and the neighbourhood MILP 4 s to reach +38 %.
+    Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None.
+    relaxations: a list the solved LP relaxation is appended to (its objective bounds the MILP).
+    rounds: at most this many; lp: `form`'s LP relaxation, if solved before (else solved here)."""
+    remaining = deadline - time.perf_counter()
+    if lp is None:
+        if remaining < 2.0:
+            return None
+        lp = relaxation(form, RINS_LP_SHARE * remaining, threads, verbose)
+        if lp is None:
+            return None
+        if relaxations is not None:
+            relaxations.append(lp)
+    integer = np.flatnonzero(np.asarray(form.md.integer))
+    x = form.plan_to_vector(plan)
+    current = form.objective(x)
+    log(verbose, f"RINS from {current:.4f}")
+    best = None
+    for rnd in range(rounds):
+        remaining = deadline - time.perf_counter()
+        if remaining < 1.0:
+            break
+        agree = integer[np.abs(lp.x[integer] - x[integer]) < 1e-6]
+        fixed = {int(c): float(round(x[c])) for c in agree}
+        res = form.solve_milp(
+            min(remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+        )
+        if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
+            break
+        if not accept(res.plan, res.objective):
+            break
+        log(
+            verbose,
+            f"RINS round {rnd + 1} ({len(integer) - len(agree)} of {len(integer)} columns free, "
+            f"{res.solve_time_s:.1f} s): {current:.4f} -> {res.objective:.4f}",
+        )
+        best = plan = res.plan
+        x = form.plan_to_vector(plan)
+        current = res.objective
+    return best
+
+
+def highs_beside_polish(
+    form: Formulation, plan: Plan, warm, deadline: float, mip_gap: float, threads: int, verbose: bool, accept
+) -> MilpResult:
+    """HiGHS on `form` from `warm` (the vector of `plan`) until `deadline`, in a thread of its
+    own, while `polish` improves `plan` beside it with one sub-MILP at a time; polishing stops
+    when HiGHS ends (optimal, or out of time). Returns HiGHS' run; `accept(plan, objective)`
+    receives what polishing finds (plans of `form`: HiGHS' bound holds for them).
+
+    One after the other, HiGHS' run was cut on a stall before its root node was done (ResNet-50
+    b8 224, kept gradients, 0.4: 5.7 s, bound below its LP relaxation's) and polishing took the
+    rest; HiGHS needs ~10 s for its root bound there (3.4 % against 6.3 %). Its branch and bound
+    is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone."""
+    import threading
+
+    done = threading.Event()
+    cancel = threading.Event()  # set when polishing fails (an interrupt): HiGHS stops then too
+    out: dict = {}
+    best = [form.objective(warm)]  # the best objective polishing has reached (progress lines)
+
+    def accept_best(plan: Plan, objective: float) -> bool:
+        if accept(plan, objective):
+            best[0] = min(best[0], objective)
+            return True
+        return False
+
+    def run() -> None:
+        try:
+            out["res"] = form.solve_highs(
+                max(0.5, deadline - time.perf_counter()),
+                mip_gap=mip_gap,
+                threads=threads,
+                warm=warm,
+                verbose=verbose,
+                cancel=cancel,
+                incumbent=lambda: best[0],
+            )
+        except BaseException as exc:  # (raised again in the caller's thread)
+            out["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
+    worker.start()
+    try:
+        polish(form, plan, deadline, 1, verbose, accept_best, stop=done.is_set)
+    except BaseException:
+        cancel.set()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
+        raise
+    finally:
+        worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["res"]
+
+
+def polish(
+    form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept, stop=None
+) -> None:
+    """Large-neighbourhood search on a time-mode incumbent, until `deadline`.
+
+    HiGHS can spend a whole time limit in root cut rounds on a hard budget (ResNet-50 b8 224
+    at 0.33: 50 s at node 0, incumbent never improved). Here the same MILP is solved again with
+    every integer column fixed to the incumbent except those of one neighbourhood; each pass
+    visits every neighbourhood, and passes repeat while one improves:
+    - stage bands: the columns of POLISH_SPAN backward stages and the forward choices of the
+      nodes they may recompute, sliding by half a span (what one stretch of the backward does);
+    - node bands: every column of POLISH_NODES consecutive nodes, at every stage (their forward
+      implementations, and where each stage holds, keeps or recomputes them), sliding by half a
+      band. A better plan often changes how one block's tensors are held across the whole
+      backward: stage bands alone stopped at local optima (ResNet-50 b8 224 kept gradients at
+      1/3: 1.6853 s after 54 s of stage bands, 1.6876 -> 1.6649 s in 50 s of node bands, 1.6542 s
+      in 150 s, below a 600-s solve's 1.6573).
+    Within each family, bands that recompute the most are visited first: there is the most to
+    win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
+    optimality, proves the plan optimal in every band of that size: the bands then double (while
+    a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
+    16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
+    1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound
+    still bounds it). Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
+    core; a band started before another band's improvement is kept only if it beats that.
+    `accept(plan, objective)` replays and keeps a plan; `stop()`, if given, ends polishing early
+    (no further band starts once it returns True)."""
+    an = form.an
+    integer = np.flatnonzero(np.asarray(form.md.integer))
+    x = form.plan_to_vector(plan)
+    current = form.objective(x)
+    # HiGHS in threads of its own, one core each (another backend: one band at a time)
+    workers = max(1, min(POLISH_WORKERS, threads)) if form.backend == "highs" else 1
+    sub_threads = 1 if workers > 1 else threads
+    improved = True
+    passes = 0
+    scale = 1  # band sizes, in multiples of POLISH_SPAN stages and POLISH_NODES nodes
+    proved = False  # every sub-MILP of the last pass solved to optimality
+    while True:
+        if stop is not None and stop():
+            return
+        if not improved:
+            # a pass without a better plan, every band's sub-MILP solved to optimality: the plan
+            # is optimal in every band of this size; wider bands may still improve it (356-node
+            # synthetic ResNet at 0.33: every 16-stage and 24-node band optimal in 0.3-0.7 s, RINS'
+            # plan 11 % above the LP bound)
+            if not proved or POLISH_NODES * scale * 2 > an.n:
+                return
+            scale *= 2
+            log(
+                verbose,
+                f"polish: every band optimal; bands of {POLISH_SPAN * scale} stages, {POLISH_NODES * scale} nodes",
+            )
+        improved = False
+        proved = True
+        passes += 1
+        span, band_nodes = POLISH_SPAN * scale, POLISH_NODES * scale
+        recomputed = [0.0] * an.n  # recompute time of each node in the plan, over all stages
+        work = [0.0] * an.T  # recompute time of each stage
+        for s, st in enumerate(plan.stages):
+            for i, m, _g in st.recompute:
+                cost = an.recompute_time(i, m)
+                recomputed[i] += cost
+                work[s] += cost
+        hoods: list[tuple[float, str, range, float]] = []
+        step = max(1, band_nodes // 2)
+        for a in range(0, an.n, step):
+            nodes = range(a, min(an.n, a + band_nodes))
+            hoods.append((sum(recomputed[i] for i in nodes), "nodes", nodes, POLISH_NODE_LIMIT_S))
+        step = max(1, span // 2)
+        for a in range(0, an.T, step):
+            stages = range(a, min(an.T, a + span))
+            hoods.append((sum(work[s] for s in stages), "stages", stages, POLISH_SUB_LIMIT_S))
+        # stage bands first (small sub-MILPs: quick steps from a rough plan), then node bands
+        # (moves stage bands cannot make); each family by recompute work. Measured on ResNet-50
+        # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
+        # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
+        # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)
+        hoods.sort(key=lambda h: (h[1] != "stages", -h[0]))
+        todo = hoods[::-1]  # (popped from the end: in order)
+        running: dict = {}  # future -> its neighbourhood
+        with ThreadPoolExecutor(workers) as pool:
+            while todo or running:
+                if stop is not None and stop():
+                    todo.clear()
+                while todo and len(running) < workers:
+                    hood = todo.pop()
+                    job = _start_band(pool, form, x, integer, hood, span, deadline, sub_threads)
+                    if job is None:
+                        todo.clear()  # out of time
+                        break
+                    running[job] = hood
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for job in done:
+                    _work, kind, band, _limit = running.pop(job)
+                    res = job.result()
+                    proved = proved and res.status == "optimal"
+                    # (a band started before another band's improvement still holds a whole
+                    # plan: kept if it beats the current one)
+                    found = res.plan is not None and res.objective is not None
+                    if found and res.objective < current - 1e-9 and accept(res.plan, res.objective):
+                        log(
+                            verbose,
+                            f"polish pass {passes}, {kind} {band.start}-{band.stop - 1}: {current:.4f} -> {res.objective:.4f}",
+                        )
+                        plan = res.plan
+                        x = form.plan_to_vector(plan)
+                        current = res.objective
+                        improved = True
+        if deadline - time.perf_counter() < 1.0:
+            return
+
+
+def _start_band(
+    pool, form: Formulation, x: np.ndarray, integer, hood, span: int, deadline: float, threads: int
+):
+    """Submit one polishing neighbourhood's sub-MILP, every integer column outside it fixed to
+    x; None when less than a second is left."""
+    _work, kind, band, limit = hood
+    remaining = deadline - time.perf_counter()
+    if remaining < 1.0:
+        return None
+    if kind == "nodes":
+        free = form.node_columns(band)
+    else:
+        ts = [form.an.bw[s] for s in band]
+        free = form.band_columns(band, range(max(0, min(ts) - span), max(ts) + 1))
+    fixed = {int(c): float(round(x[c])) for c in integer if c not in free}
+    return pool.submit(
+        form.solve_milp, min(remaining, limit), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+    )
