@@ -48,6 +48,10 @@ RINS_START_MIN_S = 3.0
 # s, its LP not solved in the 5.8 s it had). Not lower: on ResNet-50 b8 224 (Adam step in the
 # backward, 0.5) a start of 2.1 times led to the best plan (1.0728; 1.0787 with it skipped at 1.5)
 RINS_START_SIZE_RATIO = 3.0
+# ... and a further start's LP relaxation may take at most this many times the fastest start's
+# took (counted as at least 1 s): past that its round is skipped (ResNet-50 b8 224, gradients kept, 0.33: the third
+# start's LP took 6.1 s against 1.1 s, and its round found nothing in the 2.3 s left to it)
+RINS_START_LP_RATIO = 3.0
 
 
 def rins_from_starts(
@@ -94,8 +98,12 @@ def rins_from_starts(
         now = time.perf_counter()
         if deadline - now < 2.0:
             break
-        # (the LP takes what it needs; the round, what is left of this start's share)
-        lp = relaxation(f, RINS_LP_SHARE * (deadline - now), threads, verbose)
+        # (the LP takes what it needs, a further start's at most RINS_START_LP_RATIO times the
+        # fastest start's; the round, what is left of this start's share)
+        seconds = RINS_LP_SHARE * (deadline - now)
+        if first_lp is not None:
+            seconds = min(seconds, RINS_START_LP_RATIO * max(first_lp.solve_time_s, 1.0))
+        lp = relaxation(f, seconds, threads, verbose)
         if lp is None:
             continue
         solved.append((lp, f))
