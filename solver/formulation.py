@@ -51,9 +51,9 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
 Recompute windows: the full grid has O(n^2) columns (ResNet-50 at 224: 80k columns,
 133k rows; HiGHS does not finish even the LP relaxation in 120 s). A window w keeps
 columns only for nodes within w topological positions of each stage's node (see
-`Formulation`); w=6 is ~9k columns and solves to optimality in seconds. `solve`
+`Formulation`); w=6 is ~9k columns and solves to optimality in seconds. `solver.milp.solve`
 widens the window (6, 12, 24, unbounded), each MILP warm-started from the best plan
-so far, while the next one fits in the time left (`WIDEN_FACTOR`) and no plan has reached
+so far, while the next one fits in the time left (`solver.milp.WIDEN_FACTOR`) and no plan has reached
 the trivial bound (no recomputation, every node's fastest implementation: optimal over every
 schedule); the reported gap is that of the widest MILP it ran
 (`meta["milp_gap_scope"]`), i.e. proven within that window, not over all schedules.
