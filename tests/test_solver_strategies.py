@@ -1157,18 +1157,10 @@ def test_rins_from_several_starts_ends_in_the_milp_of_its_best_plan(capsys):
             assert lp.objective <= found[-1] + 1e-9
 
 
-def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkeypatch, capsys):
-    """When no start's one round finds a better plan in its share of the time, RINS goes on from
-    the fastest start (the first) in its own MILP with the rest of the time and all its rounds,
-    reusing that start's LP relaxation, as it would from that start alone. (356-node synthetic
-    DAG at 0.33: the round from the greedy plan needed 8 s and had 6; the solve returned the
-    greedy plan itself.)"""
-    import time
-
-    an, budget, form, plan, others, found, keep = _rins_starts_case()
-
+def _rins_with_start_rounds(record, start_round):
+    """A stand-in for `local_search.rins`: every call goes to `record(form, start, rounds, lp)`; a
+    start's one round (rounds == 1) returns `start_round(start)`, other calls run the real RINS."""
     real = local_search.rins
-    calls: list[tuple] = []
 
     def rins(
         f,
@@ -1181,13 +1173,29 @@ def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkey
         rounds=local_search.RINS_ROUNDS,
         lp=None,
     ):
-        calls.append((f, begin, rounds, lp))
-        if rounds == 1:  # every start's round finds nothing
-            return None
+        record(f, begin, rounds, lp)
+        if rounds == 1:
+            return start_round(begin)
         return real(
             f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
         )
 
+    return rins
+
+
+def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkeypatch, capsys):
+    """When no start's one round finds a better plan in its share of the time, RINS goes on from
+    the fastest start (the first) in its own MILP with the rest of the time and all its rounds,
+    reusing that start's LP relaxation, as it would from that start alone. (356-node synthetic
+    DAG at 0.33: the round from the greedy plan needed 8 s and had 6; the solve returned the
+    greedy plan itself.)"""
+    import time
+
+    an, budget, form, plan, others, found, keep = _rins_starts_case()
+
+    calls: list[tuple] = []
+    # every start's round finds nothing
+    rins = _rins_with_start_rounds(lambda *call: calls.append(call), lambda begin: None)
     monkeypatch.setattr(local_search, "rins", rins)
     solved: list[tuple] = []
     end_form, best = local_search.rins_from_starts(
@@ -1222,27 +1230,12 @@ def test_a_start_round_slower_than_the_fastest_start_does_not_win(monkeypatch, c
     fastest, rest = cands[0], cands[1:]
     assert seconds(rest[0]) > seconds(fastest)
     form = Formulation(an, budget, window=6, warm_plan=fastest)
-    real = local_search.rins
     calls: list[tuple] = []
-
-    def rins(
-        f,
-        begin,
-        deadline,
-        threads,
-        verbose,
-        accept,
-        relaxations=None,
-        rounds=local_search.RINS_ROUNDS,
-        lp=None,
-    ):
-        calls.append((f, begin, rounds))
-        if rounds == 1:  # the fastest start's round finds nothing; the others "find" their start
-            return None if begin is fastest else begin
-        return real(
-            f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
-        )
-
+    # the fastest start's round finds nothing; the others "find" their start
+    rins = _rins_with_start_rounds(
+        lambda f, begin, rounds, lp: calls.append((f, begin, rounds)),
+        lambda begin: None if begin is fastest else begin,
+    )
     monkeypatch.setattr(local_search, "rins", rins)
     end_form, _best = local_search.rins_from_starts(
         an, budget, 6, form, fastest, rest, time.perf_counter() + 30.0, 2, True, keep, []
