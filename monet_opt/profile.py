@@ -63,13 +63,14 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 11  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 12  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
 # 9: keys hold a non-contiguous input's strides (before, a same-shaped node's measurement was reused)
 # 10: attention implementations return the query's layout, as torch's default does
 # 11: grad_passed_flat: inputs whose gradient is the fed one (views, identities); out_strides
+# 12: a non-contiguous output's backward workspace also measured with a contiguous gradient
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -301,29 +302,42 @@ def measure_node(
     bgrads = fresh_grads()
     fed = {storage_key(g) for g in bgrads}
 
-    def backward(out):
+    def backward(out, given: list):
         o = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        root = _root(bgrads, o)
+        root = _root(given, o)
         del o
         if impl.grad_in_place:
             # the root holds the only reference, as in the runtime: otherwise a leaf's
             # AccumulateGrad copies the in-place gradient (a whole activation the runtime never
             # allocates, which also hid the backward's own chunked temporaries)
-            bgrads.clear()
+            given.clear()
         torch.autograd.backward(root, torch.empty(0, device=root.device))
 
-    if device.type == "cpu":
-        with track_peak(device) as session:
-            out = forward()
-            mark()
-            if grads:
-                backward(out)
-        (_, fwd_peak), (after_fwd, bwd_peak) = segment_peaks(session)
-        bwd_peak -= after_fwd
-    else:
+    def memory_run(forward, given: list) -> tuple:
+        """(output, forward peak, backward peak above what the forward left)"""
+        if device.type == "cpu":
+            with track_peak(device) as session:
+                out = forward()
+                mark()
+                if given:
+                    backward(out, given)
+            (_, fwd_peak), (after_fwd, bwd_peak) = segment_peaks(session)
+            return out, fwd_peak, bwd_peak - after_fwd
         measured = measure_peak(forward)
-        out, fwd_peak = measured.result, measured.peak_bytes
-        bwd_peak = measure_peak(backward, out).peak_bytes if grads else 0
+        bwd_peak = measure_peak(backward, measured.result, given).peak_bytes if given else 0
+        return measured.result, measured.peak_bytes, bwd_peak
+
+    def made_by_backward(leaves: list, fed: set) -> int:
+        """Bytes of the input and parameter gradients a backward allocated."""
+        # (an in-place backward's input gradient is the buffer it was fed, which existed before:
+        # counting it hid the chunked temporaries of output-activated BatchNorm, 1/8 of an
+        # activation, measured 3 MB over the prediction on ResNet-50 b8 224)
+        in_grads = sum(
+            _storage_bytes(x.grad) for x in leaves if x.grad is not None and storage_key(x.grad) not in fed
+        )
+        return in_grads + sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
+
+    out, fwd_peak, bwd_peak = memory_run(forward, bgrads)
 
     flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     input_flat = [v for v in tree_flatten((a, k))[0]]
@@ -355,21 +369,27 @@ def measure_node(
     bwd_workspace = 0
     grad_passed_flat: list[int] = []
     if grads:
-        # input gradients the backward allocated: an in-place backward's input gradient is the
-        # buffer it was fed, which existed before (counting it hid the chunked temporaries of
-        # output-activated BatchNorm: 1/8 of an activation, measured 3 MB over the prediction
-        # on ResNet-50 b8 224)
-        in_grads = sum(
-            _storage_bytes(x.grad) for x in leaves if x.grad is not None and storage_key(x.grad) not in fed
-        )
         # inputs whose gradient is the buffer the backward was fed, or a view of it: a view's or
         # an identity's backward allocates nothing (OPT returns logits.contiguous(): counted as a
         # new logits-sized buffer, its no-recompute peak was predicted 9 % high)
         if not impl.grad_in_place:
             grad_passed_flat = sorted(pos for pos, key in reached.items() if key in fed)
-        p_grads = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
-        bwd_workspace = max(0, bwd_peak - in_grads - p_grads)
+        bwd_workspace = max(0, bwd_peak - made_by_backward(leaves, fed))
     del out
+    if any(not g.is_contiguous() for g in grads):
+        # an output not in the default layout (an LSTM's batch_first output is a transposed
+        # view of its own): the gradients above have its strides, but the one a consumer's
+        # backward hands on may be contiguous, and the backward then copies it into its own
+        # layout (LSTM b64 s20 behind h[:, -1]: 160 KiB over the prediction). The workspace is
+        # the larger of the two layouts'.
+        for p in params:
+            p.grad = None
+        a, k, leaves = make_inputs()
+        dense = [torch.ones(g.shape, dtype=g.dtype, device=g.device) for g in grads]
+        fed_dense = {storage_key(g) for g in dense}
+        _, _, dense_peak = memory_run(lambda: run(a, k), dense)
+        bwd_workspace = max(bwd_workspace, dense_peak - made_by_backward(leaves, fed_dense))
+        del dense
 
     bwd_time = 0.0
     if grads:
@@ -745,9 +765,11 @@ def _build_problem(
     restore_training_modes(model, modes)
 
     # a node runs backward if it needs a gradient and its output reaches an output the loss reads
+    # through nodes that need gradients (not through a mask: `x.masked_fill(y.abs() < e, 0)`
+    # hands y no gradient)
     reaches = set(grad_refs)
     for row in reversed(rows):
-        if row["name"] in reaches:
+        if row["name"] in reaches and row["name"] in requires_grad:
             reaches.update(row["inputs"])
     owner_bytes: dict[str, int] = {}
     for pid, owner in param_owner.items():

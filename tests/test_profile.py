@@ -416,3 +416,32 @@ def test_an_implementation_laid_out_unlike_torch_is_not_offered(monkeypatch, tmp
         problem = build_problem(_TransposedProduct(), (x,), progress=False, repeats=1)
     mul = next(n for n in problem.nodes if n.name == "mul")
     assert [i.name for i in mul.impls] == ["default", "same_layout"]
+
+
+class _MaskedByItsOwnMagnitude(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.b(y.masked_fill(y.abs() < 0.1, 0.0))
+
+
+def test_a_node_read_only_by_a_mask_needs_no_backward(monkeypatch, tmp_path):
+    """`y.abs() < e` hands `abs` no gradient (the comparison's output is boolean), so `abs` has no
+    backward; before, it was marked as needing one, and building the problem failed ('node
+    abs_1 needs a backward but no gradient reaches it'). Solved and wrapped: plain gradients."""
+    from monet_opt.runtime import MonetWrapper
+    from tests.test_runtime import assert_same_gradients
+
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = _MaskedByItsOwnMagnitude(), torch.randn(256, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    backward = {n.name: n.requires_backward for n in problem.nodes}
+    assert backward["abs_1"] is False and backward["lt"] is False, backward
+    assert backward["a"] and backward["masked_fill"] and backward["b"], backward
+    schedule = solver.solve(problem, 1.0, time_limit=10, verbose=False)
+    assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "masked")

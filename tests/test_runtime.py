@@ -632,6 +632,33 @@ def _check_not_above_prediction(model, wrapped, x, problem, schedule) -> None:
     assert peak <= predicted, f"measured {peak} over predicted {predicted}"
 
 
+class _LastStepLSTM(torch.nn.Module):
+    """A batch_first LSTM read at its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(16, 32)
+        self.lstm = nn.LSTM(32, 32, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(torch.tanh(self.emb(x)))
+        return self.head(h[:, -1])
+
+
+def test_a_backward_fed_a_contiguous_gradient_for_a_transposed_output_stays_in_the_prediction():
+    """nn.LSTM(batch_first=True) returns a transposed view of its own output; h[:, -1]'s
+    backward hands it a contiguous gradient, which the LSTM's backward copies into its own
+    layout. The profile fed only a gradient of the output's strides: measured 81,928 B over the
+    prediction (and the budget: at the no-recompute peak) before."""
+    torch.manual_seed(0)
+    model, x = _LastStepLSTM(), torch.randn(64, 20, 16)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = baselines.no_recompute(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    _check_not_above_prediction(model, wrapped, x, problem, schedule)
+
+
 class _Branches(torch.nn.Module):
     """Four branches concatenated; the first-created one (its backward runs last) is wide
     inside, the others have wide outputs."""
