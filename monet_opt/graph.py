@@ -42,6 +42,7 @@ from torch.fx.node import _get_qualified_name
 from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
+from monet_opt.no_grad import NO_GRAD, detach_no_grad_values
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -212,6 +213,12 @@ class _Tracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind in ("call_function", "call_method", "call_module") and not torch.is_grad_enabled():
+            node.meta[NO_GRAD] = True  # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
+        return node
+
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:
             path = self.path_of_module(m)
@@ -348,7 +355,8 @@ def _trace_with_leaves(
         # trace names them the same)
         own_attrs = set(vars(model))
         try:
-            graph = tracer.trace(model, concrete_args=concrete_args)
+            with torch.enable_grad():  # (nodes made with gradients off are the model's no_grad code)
+                graph = tracer.trace(model, concrete_args=concrete_args)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:
             _drop_attrs(model, own_attrs)
@@ -855,6 +863,11 @@ def trace(
     gm.training = model.training
     # later readers of an in-place change read the changing node (the runtime runs out of place)
     functionalize(gm)
+    # what the model computes under torch.no_grad() reaches the rest detached (monet_opt.no_grad)
+    try:
+        detach_no_grad_values(gm)
+    except ValueError as exc:
+        raise TraceError(str(exc)) from None
 
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     op_names = {n.name for n in call_nodes}
