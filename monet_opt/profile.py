@@ -311,7 +311,7 @@ def measure_node(
             # AccumulateGrad copies the in-place gradient (a whole activation the runtime never
             # allocates, which also hid the backward's own chunked temporaries)
             given.clear()
-        torch.autograd.backward(root, torch.empty(0, device=root.device))
+        torch.autograd.backward(root, root.new_empty(0))
 
     def memory_run(forward, given: list) -> tuple:
         """(output, forward peak, backward peak above what the forward left)"""
@@ -403,7 +403,7 @@ def measure_node(
                 p.grad = None
             _sync(device)
             t0 = time.perf_counter()
-            torch.autograd.backward(root, torch.empty(0, device=root.device))
+            torch.autograd.backward(root, root.new_empty(0))
             _sync(device)
             btimes.append(time.perf_counter() - t0)
             del root

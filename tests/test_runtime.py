@@ -659,6 +659,33 @@ def test_a_backward_fed_a_contiguous_gradient_for_a_transposed_output_stays_in_t
     _check_not_above_prediction(model, wrapped, x, problem, schedule)
 
 
+class _SpectralFilter(torch.nn.Module):
+    """A Fourier layer (as in Fourier neural operators): complex values and a complex parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.randn(33, dtype=torch.cfloat) * 0.1)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.fft.rfft(torch.tanh(self.a(x)), dim=-1) * self.w
+        return self.b(torch.fft.irfft(f, n=64, dim=-1).relu())
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_complex_values_run_with_equal_gradients(fraction):
+    """A node whose first output is complex: its backward was seeded with a float32 tensor, and
+    profiling failed ('both grad_output and output are required to have the same dtype')."""
+    torch.manual_seed(0)
+    model, x = _SpectralFilter(), torch.randn(256, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
+    assert_same_gradients(
+        model, MonetWrapper(model, schedule, example_inputs=(x,)), x, f"spectral {fraction}"
+    )
+
+
 class _Branches(torch.nn.Module):
     """Four branches concatenated; the first-created one (its backward runs last) is wide
     inside, the others have wide outputs."""

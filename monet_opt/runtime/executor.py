@@ -780,7 +780,7 @@ class ScheduleExecutor:
         del fed
         for source, pos, box in state.leaves:
             box.sink = functools.partial(self.accumulate, run, source, pos, fed_keys=fed_keys)
-        seed = torch.empty(0, device=state.root.device)
+        seed = state.root.new_empty(0)  # (the root's dtype: complex for a complex first output)
         if stepped is None:
             # autograd.grad, not backward: parameter gradients come back to us and leave through
             # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's
