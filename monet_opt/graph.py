@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
+from monet_opt import autocast_regions
 from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
@@ -205,9 +206,17 @@ class _Tracer(fx.Tracer):
         self.leaf_types = leaf_types
         self._path_stack: list[str] = []
         self.fail_path: str | None = None
+        self.hooked: list[str] = []  # submodules kept whole because they have hooks
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
+            return True
+        if module_qualified_name and has_hooks(m):
+            # traced through, its hooks would run once, on fx's proxies, and never in training
+            # (a forward hook collecting features would hold a Proxy): as a leaf the runtime
+            # calls the module itself, hooks and all
+            if module_qualified_name not in self.hooked:
+                self.hooked.append(module_qualified_name)
             return True
         if isinstance(m, self.leaf_types):
             return True
@@ -215,8 +224,15 @@ class _Tracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        if kind in ("call_function", "call_method", "call_module") and not torch.is_grad_enabled():
-            node.meta[NO_GRAD] = True  # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
+        if kind in ("call_function", "call_method", "call_module"):
+            if not torch.is_grad_enabled():
+                node.meta[NO_GRAD] = (
+                    True  # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
+                )
+            # (inside the model's own autocast blocks: monet_opt.autocast_regions)
+            spec = autocast_regions.spec_now(getattr(self, "autocast_devices", []))
+            if spec:
+                node.meta[autocast_regions.AUTOCAST] = spec
         return node
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
@@ -235,6 +251,11 @@ class _Tracer(fx.Tracer):
             raise
         finally:
             self._path_stack.pop()
+
+
+def has_hooks(m: nn.Module) -> bool:
+    """Whether `m` has forward, forward-pre or backward hooks of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 def _leaf_root(model: nn.Module, n_inputs: int) -> fx.GraphModule:
@@ -355,7 +376,9 @@ def _trace_with_leaves(
         # trace names them the same)
         own_attrs = set(vars(model))
         try:
-            with torch.enable_grad():  # (nodes made with gradients off are the model's no_grad code)
+            # (nodes made with gradients off are the model's no_grad code; its autocast blocks
+            # are followed)
+            with torch.enable_grad(), autocast_regions.track(tracer):
                 graph = tracer.trace(model, concrete_args=concrete_args)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:
@@ -380,6 +403,14 @@ def _trace_with_leaves(
                 module_path=path or "",
             ) from exc
         _drop_attrs(model, own_attrs)
+        if tracer.hooked:
+            warnings.warn(
+                f"monet_opt.trace: {len(tracer.hooked)} submodules with hooks are kept as one node "
+                f"each, so that their hooks run in training ({', '.join(tracer.hooked[:6])}); they "
+                "also run while monet-opt traces and profiles the model, and again where a schedule "
+                "recomputes the module",
+                stacklevel=4,
+            )
         _drop_default_guards(gm.graph, n_inputs)
         gm.recompile()
         return gm, auto
@@ -620,7 +651,10 @@ class _Measure(fx.Interpreter):
             saved.append(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            autocast_regions.under(n.meta.get(autocast_regions.AUTOCAST)),
+        ):
             result = super().run_node(n)
         self.keep.append(result)
         self.keep.extend(saved)

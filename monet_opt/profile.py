@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from monet_opt import autocast_regions
 from monet_opt.graph import OpGraph, trace
 from monet_opt.keyword_inputs import KeywordRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
@@ -606,7 +607,9 @@ def _build_problem(
     restores: dict[str, list[tuple[Restore, int]]] = {}
     for fx_node in fx_nodes:
         target = _resolve_target(gm, fx_node)
-        impls = implementations_for(fx_node.op, target)
+        # (a node inside the model's own autocast block runs under it: autocast_regions)
+        autocast = fx_node.meta.get(autocast_regions.AUTOCAST)
+        impls = autocast_regions.with_spec(implementations_for(fx_node.op, target), autocast)
         if any(i.replays for i in impls):
             memo_bytes += _memo_bytes(target)
 
@@ -668,7 +671,11 @@ def _build_problem(
             if not is_tensor:
                 impl_rows.append(Impl(impl.name, 0.0, 0.0))
                 continue
-            key = _signature(fx_node, target, args, kwargs, impl.name) + f":{grad_positions}"
+            key = (
+                _signature(fx_node, target, args, kwargs, impl.name)
+                + f":{grad_positions}"
+                + autocast_regions.describe(autocast)
+            )
             load = cpu_load() if device.type == "cpu" else None
             entry = cache.get(key, load)
             if entry is None:

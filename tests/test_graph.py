@@ -407,3 +407,48 @@ def test_traced_graph_that_differs_from_eager_is_refused():
         trace(Counter(), torch.randn(2, 4))
     g = trace(Counter(), torch.randn(2, 4), check=False)
     assert [n.kind for n in g.nodes] == ["mul"]
+
+
+class _Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def test_a_submodule_with_hooks_stays_whole_and_its_hooks_see_the_training_values():
+    """Traced through, a submodule's hooks ran once on fx's proxies and never in training: a
+    forward hook collecting features collected a Proxy. Kept whole (with a warning naming it),
+    its forward hook sees the wrapped step's values and its backward hook fires."""
+    import copy
+
+    import solver
+    from monet_opt.bench import loss_of
+    from monet_opt.profile import build_problem
+    from monet_opt.runtime import MonetWrapper
+
+    torch.manual_seed(0)
+    model, x = _Hooked(), torch.randn(64, 32)
+    seen: list = []
+    model.block.register_forward_hook(lambda m, i, out: seen.append(out.detach().clone()))
+    model.head.register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    plain = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"submodules with hooks are kept as one node.*\(block, head\)"):
+        problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert [n.name for n in problem.nodes] == ["block", "head"]
+    assert all(isinstance(v, (str, torch.Tensor)) for v in seen)  # (no Proxy left in the user's list)
+    with pytest.warns(UserWarning, match="hooks"):
+        wrapped = MonetWrapper(model, solver.baselines.no_recompute(problem), example_inputs=(x,))
+    seen.clear()
+    loss_of(wrapped(x)).backward()
+    assert len(seen) == 2 and seen[1] == "backward", seen
+    plain_seen = []
+    plain.block._forward_hooks.clear()
+    plain.block.register_forward_hook(lambda m, i, out: plain_seen.append(out.detach()))
+    loss_of(plain(x)).backward()
+    torch.testing.assert_close(seen[0], plain_seen[0])
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

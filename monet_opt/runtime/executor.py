@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
+from monet_opt import autocast_regions
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
@@ -342,7 +343,11 @@ class ScheduleExecutor:
         for node in gm.graph.nodes:
             if node.op in ("call_module", "call_function", "call_method"):
                 target = _resolve_target(gm, node)
-                impls = {i.name: i for i in implementations_for(node.op, target)}
+                # (a node inside the model's own autocast block runs under it: autocast_regions)
+                spec = node.meta.get(autocast_regions.AUTOCAST)
+                impls = {
+                    i.name: i for i in autocast_regions.with_spec(implementations_for(node.op, target), spec)
+                }
                 self.plans[node.name] = _Plan(
                     node, target, impls, False, _node_params(gm, node, target), _reuse_kind(node, target)
                 )
