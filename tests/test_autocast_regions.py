@@ -53,8 +53,20 @@ class SoftmaxInFloat32(nn.Module):
         return self.out(mixed)
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+def _check_step(model, x, schedule, caller_autocast: bool, rtol: float, atol: float) -> None:
+    """One step of the wrapped model and of a plain copy (under the caller's bfloat16 autocast if
+    asked): outputs bit for bit, parameter gradients within (rtol, atol)."""
+    plain = copy.deepcopy(model)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=caller_autocast):
+        out_plain, out_wrapped = plain(x), wrapped(x)
+        torch.testing.assert_close(out_wrapped, out_plain, rtol=0, atol=0)
+        loss_of(out_plain).backward()
+        loss_of(out_wrapped).backward()
+    expected = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name].grad, rtol=rtol, atol=atol, msg=name)
+    zero_grad(model)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.0])
@@ -67,16 +79,7 @@ def test_a_bfloat16_block_runs_in_bfloat16(fraction, monkeypatch, tmp_path):
     assert inside == ["layers_0", "gelu", "layers_1", "gelu_1"], inside
     problem = build_problem(model, (x,), progress=False, repeats=1)
     schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
-    plain = copy.deepcopy(model)
-    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-    out_plain, out_wrapped = plain(x), wrapped(x)
-    torch.testing.assert_close(out_wrapped, out_plain, rtol=0, atol=0)
-    loss_of(out_plain).backward()
-    loss_of(out_wrapped).backward()
-    got, expected = _grads(model), _grads(plain)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
-    zero_grad(model)
+    _check_step(model, x, schedule, caller_autocast=False, rtol=1e-5, atol=1e-6)
 
 
 def test_a_float32_block_stays_float32_under_the_callers_autocast(monkeypatch, tmp_path):
@@ -85,16 +88,6 @@ def test_a_float32_block_stays_float32_under_the_callers_autocast(monkeypatch, t
     model, x = SoftmaxInFloat32(), torch.randn(16, 24, 32)
     problem = build_problem(model, (x,), progress=False, repeats=1)
     schedule = solver.solve(problem, 1.0, time_limit=10, verbose=False)
-    plain = copy.deepcopy(model)
-    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out_plain, out_wrapped = plain(x), wrapped(x)
-        torch.testing.assert_close(out_wrapped, out_plain, rtol=0, atol=0)
-        loss_of(out_plain).backward()
-        loss_of(out_wrapped).backward()
-    # (outputs bit for bit; gradients through bfloat16 kernels within bfloat16's rounding, as in
-    # test_runtime's test_autocast_bf16_runs)
-    got, expected = _grads(model), _grads(plain)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-2, atol=1e-3, msg=name)
-    zero_grad(model)
+    # (gradients through bfloat16 kernels within bfloat16's rounding, as in test_runtime's
+    # test_autocast_bf16_runs)
+    _check_step(model, x, schedule, caller_autocast=True, rtol=1e-2, atol=1e-3)
