@@ -781,10 +781,9 @@ class ScheduleExecutor:
                 for (m, _), g in zip(state.outputs, fed)
             ]
         state.box.grads = fed
-        fed_keys = {storage_key(g) for g in fed if g is not None}
         del fed
         for source, pos, box in state.leaves:
-            box.sink = functools.partial(self.accumulate, run, source, pos, fed_keys=fed_keys)
+            box.sink = functools.partial(self.accumulate, run, source, pos)
         seed = state.root.new_empty(0)  # (the root's dtype: complex for a complex first output)
         if stepped is None:
             # autograd.grad, not backward: parameter gradients come back to us and leave through
@@ -824,21 +823,20 @@ class ScheduleExecutor:
         for _, _, box in state.leaves:
             box.sink = None
 
-    def accumulate(self, run: _StepRun, source: str, pos: int, g: torch.Tensor, fed_keys: set[int]) -> None:
+    def accumulate(self, run: _StepRun, source: str, pos: int, g: torch.Tensor) -> None:
         """Add g, a gradient the engine has just made, to `source`'s accumulated gradient.
 
         Runs inside the engine, which may still hold tensors: the accumulated gradient is
-        overwritten only if nothing but its slot refers to its memory (not a gradient fed to
-        the running graph, not a tensor the engine passed to another node too)."""
+        overwritten only if nothing but its slot refers to its memory (`_add`)."""
         if source in run.inputs:
             prev = run.input_grads.get(source)
-            run.input_grads[source] = g if prev is None else self._add(run, prev, g, fed_keys)
+            run.input_grads[source] = g if prev is None else self._add(run, prev, g)
             return
         slots = run.grads.get(source)
         if slots is None:
             slots = [None] * run.flat_len[source]
             run.grads[source] = slots
-        slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g, fed_keys)
+        slots[pos] = g if slots[pos] is None else self._add(run, slots[pos], g)
 
     @staticmethod
     def _holders(run: _StepRun, t: torch.Tensor) -> int:
@@ -858,19 +856,14 @@ class ScheduleExecutor:
             return False
         return self._holders(run, g) == 0
 
-    def _add(
-        self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor, fed_keys: set[int] = frozenset()
-    ) -> torch.Tensor:
+    def _add(self, run: _StepRun, prev: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """prev + g, in place unless prev's memory is shared: with another slot (autograd may
-        hand the same gradient tensor to several leaves), with g, with a gradient fed to the
-        running graph, or with anything else holding a reference (the engine's buffers)."""
+        hand the same gradient tensor to several leaves), with g, or with anything else holding a
+        reference (the engine's buffers, while a gradient fed to the running graph is still on its
+        way). Use counts alone decide: a fed gradient that only its slot holds any more is added
+        to in place, as with one graph per node and as the memory model has it."""
         key = storage_key(prev)
-        shared = (
-            key in fed_keys
-            or storage_key(g) == key
-            or not only_reference(prev)
-            or self._holders(run, prev) > 1
-        )
+        shared = storage_key(g) == key or not only_reference(prev) or self._holders(run, prev) > 1
         return prev + g if shared else prev.add_(g)
 
     # -- whole step ----------------------------------------------------------------
