@@ -146,6 +146,12 @@ def resolve_schedule(schedule: Schedule | str | Path, input_shape: tuple[int, ..
     whose batch and image size come from `input_shape` (the first input's) unless it names them."""
     if isinstance(schedule, Schedule):
         return schedule
+    if not isinstance(schedule, (str, Path)):
+        # (a baseline that found no fitting schedule returns None)
+        raise TypeError(
+            "MonetWrapper needs a solver.Schedule, the path of its JSON file or a shipped-schedule "
+            f"shortcut such as 'resnet50@0.5', not {type(schedule).__name__}"
+        )
     path = Path(schedule)
     if path.exists() or str(schedule).endswith(".json"):
         return Schedule.from_json(path)
