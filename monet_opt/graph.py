@@ -207,14 +207,16 @@ class _Tracer(fx.Tracer):
         self._path_stack: list[str] = []
         self.fail_path: str | None = None
         self.hooked: list[str] = []  # submodules kept whole because they have hooks
+        self.user_hooks: set[int] = set()  # the hook handles modules had before tracing began
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
             return True
-        if module_qualified_name and has_hooks(m):
+        if module_qualified_name and hook_ids(m) & self.user_hooks:
             # traced through, its hooks would run once, on fx's proxies, and never in training
             # (a forward hook collecting features would hold a Proxy): as a leaf the runtime
-            # calls the module itself, hooks and all
+            # calls the module itself, hooks and all. Not hooks the model's own forward registers
+            # as it runs (Hugging Face's output_hidden_states): those are traced with it
             if module_qualified_name not in self.hooked:
                 self.hooked.append(module_qualified_name)
             return True
@@ -253,9 +255,23 @@ class _Tracer(fx.Tracer):
             self._path_stack.pop()
 
 
-def has_hooks(m: nn.Module) -> bool:
-    """Whether `m` has forward, forward-pre or backward hooks of its own."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+# packages whose hooks are part of the model's own forward, traced with it: Hugging Face installs
+# output-capturing hooks on a model's layers on its first call with output_hidden_states=True,
+# and its forward reads what they capture (kept as leaves, the hidden states came out wrong)
+MODEL_HOOK_PACKAGES = ("transformers",)
+
+
+def hook_ids(m: nn.Module) -> set[int]:
+    """The handle ids of `m`'s own forward, forward-pre and backward hooks, but for hooks from
+    `MODEL_HOOK_PACKAGES`."""
+    hooks = {**m._forward_hooks, **m._forward_pre_hooks, **m._backward_hooks, **m._backward_pre_hooks}
+    return {k for k, h in hooks.items() if _package_of(h) not in MODEL_HOOK_PACKAGES}
+
+
+def _package_of(fn: Any) -> str:
+    fn = getattr(fn, "func", fn)  # (functools.partial)
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return str(module).split(".")[0]
 
 
 def _leaf_root(model: nn.Module, n_inputs: int) -> fx.GraphModule:
@@ -375,6 +391,7 @@ def _trace_with_leaves(
         # GraphModule takes its own copies, and the user's model is left as it was (so the next
         # trace names them the same)
         own_attrs = set(vars(model))
+        tracer.user_hooks = set().union(*(hook_ids(m) for m in model.modules()))
         try:
             # (nodes made with gradients off are the model's no_grad code; its autocast blocks
             # are followed)

@@ -376,3 +376,35 @@ def test_a_loop_that_keeps_only_the_loss_frees_the_logits_before_the_backward():
         out.loss.backward()
     with pytest.raises(ValueError, match="outputs_held must be"):
         build_problem(model, inputs, progress=False, repeats=1, outputs_held="none")
+
+
+def test_hidden_states_asked_for_after_an_eager_call_come_out_as_plain():
+    """Hugging Face installs output-capturing hooks on a model's layers on its first call with
+    output_hidden_states=True and keeps them. Kept as leaves because of those hooks (session 41's
+    rule for a user's hooks), the layers' hidden states came out wrong (trace's check: 0.11 off);
+    hooks from transformers are the model's own and are traced with it."""
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = _tokens()
+    mask = torch.ones_like(ids)
+    mask[:, -5:] = 0
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": ids,
+        "use_cache": False,
+        "output_hidden_states": True,
+    }
+    model(**inputs)  # (the hooks are installed now)
+    assert any(m._forward_hooks for m in model.modules())
+    _, _, wrapped = check_own_loss(model, inputs, 0.5, "gpt2, hidden states")
+    torch.manual_seed(1)
+    out = wrapped(**{k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+    torch.manual_seed(1)
+    expected = model(**inputs)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for a, b in zip(out.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(a, b)
