@@ -44,6 +44,7 @@ from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values
+from monet_opt.ops.common import mutable
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
@@ -643,6 +644,9 @@ class _Measure(fx.Interpreter):
                         "the module doing it a leaf (monet_opt.trace: leaf_modules=[...]).",
                         node=n.name,
                     )
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_function(target, mutable(args), kwargs)  # (as the runtime calls it)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current_node = n

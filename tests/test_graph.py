@@ -452,3 +452,43 @@ def test_a_submodule_with_hooks_stays_whole_and_its_hooks_see_the_training_value
     torch.testing.assert_close(seen[0], plain_seen[0])
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _clamped_window(y: torch.Tensor, window: list) -> list:
+    """Changes the list it is given, as torchvision's video Swin `_get_window_and_shift_size`."""
+    for i in range(2):
+        if y.shape[2 + i] < window[i]:
+            window[i] = y.shape[2 + i]
+    return window
+
+
+torch.fx.wrap("_clamped_window")
+
+
+class _ListChanging(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        window = _clamped_window(y, [16, 4])
+        return torch.nn.functional.avg_pool2d(y, window)
+
+
+def test_a_function_that_changes_a_list_argument_runs():
+    """fx hands a node's list arguments over as immutable lists; a model's function changing
+    one failed ("'immutable_list' object does not support mutation": torchvision's swin3d_t).
+    They are plain lists now, at trace and in the runtime: plain gradients."""
+    from monet_opt.profile import build_problem
+    from monet_opt.runtime import MonetWrapper
+    from solver import baselines
+    from tests.test_runtime import assert_same_gradients
+
+    torch.manual_seed(0)
+    model, x = _ListChanging(), torch.randn(2, 3, 8, 8)
+    graph = trace(model, (x,))
+    assert any(n.target is _clamped_window for n in graph.gm.graph.nodes)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
+    assert_same_gradients(model, wrapped, x, "list-changing function")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx.immutable_collections import immutable_list
 
 from .base import Implementation, call_target
 
@@ -152,7 +153,16 @@ def _function_runner(fn: Callable) -> Callable:
             return fn(args[0].clone(), *args[1:], **kwargs)
 
         return run_clone
-    return lambda target, args, kwargs, recompute: fn(*args, **kwargs)
+    return lambda target, args, kwargs, recompute: fn(*mutable(args), **kwargs)
+
+
+def mutable(args: tuple) -> tuple:
+    """`args` with fx's immutable lists made plain lists: a model's own function may change a
+    list it is given (torchvision's video Swin, `_get_window_and_shift_size`), as in its Python,
+    where each call gets its list made anew."""
+    if not any(type(a) is immutable_list for a in args):
+        return args
+    return tuple(list(a) if type(a) is immutable_list else a for a in args)
 
 
 class _InplaceOff:
