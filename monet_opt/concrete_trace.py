@@ -164,7 +164,15 @@ class ConcreteTracerMixin:
                     return getattr(vals[0], target)(*vals[1:], **kvals)
                 if kind == "call_module":
                     mod: nn.Module = self.root.get_submodule(target)
+                    # (a compiled submodule refuses to run inside fx's tracing: its value comes
+                    # from the module it compiles)
+                    mod = getattr(mod, "_orig_mod", mod) if _compiled(mod) else mod
                     return mod(*vals, **kvals)
         finally:
             self._computing = False
         raise RuntimeError(f"unexpected fx node kind {kind!r}")
+
+
+def _compiled(mod: nn.Module) -> bool:
+    """Whether `mod` is a torch.compile wrapper (OptimizedModule)."""
+    return type(mod).__name__ == "OptimizedModule" and hasattr(mod, "_orig_mod")

@@ -72,6 +72,8 @@ KNOWN_LEAF_TYPES: tuple[type[nn.Module], ...] = (
     nn.TransformerDecoder,
     nn.Transformer,
     nn.RNNBase,
+    # a submodule the user compiled (torch.compile): runs compiled, as one node
+    torch._dynamo.eval_frame.OptimizedModule,
 )
 
 
@@ -482,6 +484,14 @@ def _first_line(exc: BaseException) -> str:
 def _fix_hint(exc: BaseException, path: str | None) -> str:
     msg = str(exc)
     hint = ""
+    if "register_hook" in _user_frame(exc):
+        # (fx cannot record the hook function as a graph argument: 'argument of type: function')
+        return (
+            "A gradient hook registered inside the forward (`t.register_hook(fn)`) cannot be "
+            "traced. Fix: write the gradient change as a torch.autograd.Function (as a "
+            "gradient-reversal layer is written), or move that code into its own submodule "
+            "(a submodule fx cannot trace runs eagerly, as one node)."
+        )
     if path is None and ("co_varnames" in msg or "argument of type" in msg):
         # a forward taking **kwargs, or returning a cache object (Hugging Face models)
         return (

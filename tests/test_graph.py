@@ -492,3 +492,58 @@ def test_a_function_that_changes_a_list_argument_runs():
     problem = build_problem(model, (x,), progress=False, repeats=1)
     wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
     assert_same_gradients(model, wrapped, x, "list-changing function")
+
+
+class _WithCompiledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.block = torch.compile(nn.Sequential(nn.Linear(32, 32), nn.GELU()), backend="eager")
+        self.c = nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        if y.shape[0] > 4:  # (shape-dependent Python: traced with concrete values)
+            y = y * 0.5
+        return self.c(self.block(y))
+
+
+def test_a_compiled_submodule_is_one_node():
+    """A submodule the user compiled (torch.compile) refused fx ('Detected that you are using FX
+    to symbolically trace a dynamo-optimized function'), and computing its value for the
+    concrete trace failed the same way: it is one node now, run compiled; plain gradients."""
+    from monet_opt.profile import build_problem
+    from monet_opt.runtime import MonetWrapper
+    from solver import baselines
+    from tests.test_runtime import assert_same_gradients
+
+    torch.manual_seed(0)
+    model, x = _WithCompiledBlock(), torch.randn(16, 32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        graph = trace(model, (x,))
+    assert not [w for w in seen if "cannot be traced" in str(w.message)]  # (a known leaf, no fallback)
+    assert [n.name for n in graph.nodes if n.name == "block"] == ["block"]
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
+    assert_same_gradients(model, wrapped, x, "compiled block")
+
+
+class _ScaledGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = torch.tanh(self.a(x))
+        y.register_hook(lambda g: -0.5 * g)
+        return y
+
+
+def test_a_gradient_hook_registered_in_the_forward_is_named():
+    """`y.register_hook(fn)` in a traced forward: the error named the wrong cause (a forward
+    taking **kwargs); it names the hook and the fixes now."""
+    with pytest.raises(
+        TraceError, match=r"gradient hook registered inside the forward .* torch.autograd.Function"
+    ):
+        trace(_ScaledGradient(), (torch.randn(16, 32),))
