@@ -215,6 +215,8 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
             return True
+        if isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name):
+            return True
         if module_qualified_name and hook_ids(m) & self.user_hooks:
             # traced through, its hooks would run once, on fx's proxies, and never in training
             # (a forward hook collecting features would hold a Proxy): as a leaf the runtime
@@ -223,17 +225,14 @@ class _Tracer(fx.Tracer):
             if module_qualified_name not in self.hooked:
                 self.hooked.append(module_qualified_name)
             return True
-        if isinstance(m, self.leaf_types):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return False
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind in ("call_function", "call_method", "call_module"):
             if not torch.is_grad_enabled():
-                node.meta[NO_GRAD] = (
-                    True  # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
-                )
+                # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
+                node.meta[NO_GRAD] = True
             # (inside the model's own autocast blocks: monet_opt.autocast_regions)
             spec = autocast_regions.spec_now(getattr(self, "autocast_devices", []))
             if spec:
