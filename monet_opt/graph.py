@@ -952,7 +952,10 @@ def trace(
                 torch.manual_seed(seed)
                 with torch.no_grad():
                     eager_out = model(*inputs)
-                _check_same(traced_out, eager_out, rtol, atol, type(model).__name__)
+                try:
+                    _check_same(traced_out, eager_out, rtol, atol, type(model).__name__)
+                except TraceError as exc:
+                    raise TraceError(str(exc) + _generator_hint(model)) from None
     finally:
         _restore_buffers(model, buffers)
 
@@ -1040,6 +1043,24 @@ def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> 
         "(monet_opt.trace: leaf_modules=[...]).",
         module_path=path,
         node=node.name if node is not None else None,
+    )
+
+
+def _generator_hint(model: nn.Module) -> str:
+    """A sentence naming the submodules that draw random numbers from a torch.Generator of their
+    own, if any: its state moves on at every call, so the traced run and the eager one differ, and
+    a recomputation would draw other numbers (the runtime replays the global RNG only)."""
+    owners = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if any(isinstance(v, torch.Generator) for v in vars(m).values())
+    ]
+    if not owners:
+        return ""
+    return (
+        f" The model keeps a torch.Generator of its own ({', '.join(owners[:4])}): monet-opt replays "
+        "only the global random number generator on recomputation; draw from it instead "
+        "(torch.manual_seed makes it reproducible)."
     )
 
 

@@ -547,3 +547,22 @@ def test_a_gradient_hook_registered_in_the_forward_is_named():
         TraceError, match=r"gradient hook registered inside the forward .* torch.autograd.Function"
     ):
         trace(_ScaledGradient(), (torch.randn(16, 32),))
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)) + 0.1 * torch.randn(x.shape, generator=self.gen)
+
+
+def test_a_private_random_generator_is_named():
+    """Noise from a torch.Generator the model keeps: the traced run and the eager one differ
+    (its state moves on) and a recomputation would draw other numbers; the error names it."""
+    with pytest.raises(
+        TraceError, match=r"differs from the eager model .* torch.Generator of its own \(_OwnGenerator\)"
+    ):
+        trace(_OwnGenerator(), (torch.randn(4, 16),))
