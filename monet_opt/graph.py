@@ -39,11 +39,11 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt import autocast_regions
+from monet_opt import autocast_regions, no_grad
 from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
-from monet_opt.no_grad import NO_GRAD, detach_no_grad_values
+from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
 from monet_opt.ops.common import mutable
 
 __all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
@@ -230,7 +230,7 @@ class _Tracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind in ("call_function", "call_method", "call_module"):
-            if not torch.is_grad_enabled():
+            if made_without_grad(self):
                 # (the model's code runs it under torch.no_grad(): monet_opt.no_grad)
                 node.meta[NO_GRAD] = True
             # (inside the model's own autocast blocks: monet_opt.autocast_regions)
@@ -397,7 +397,7 @@ def _trace_with_leaves(
         try:
             # (nodes made with gradients off are the model's no_grad code; its autocast blocks
             # are followed)
-            with torch.enable_grad(), autocast_regions.track(tracer):
+            with torch.enable_grad(), no_grad.track(tracer), autocast_regions.track(tracer):
                 graph = tracer.trace(model, concrete_args=concrete_args)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:

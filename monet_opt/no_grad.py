@@ -20,6 +20,8 @@ value computed with gradients (plain PyTorch keeps that value's gradient path th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +32,33 @@ from monet_opt.functionalize import mutated_argument
 
 NO_GRAD = "monet_opt_no_grad"  # fx node meta key: created while gradients were off
 _CALLS = ("call_function", "call_method", "call_module")
+
+
+@contextlib.contextmanager
+def track(tracer: Any) -> Iterator[None]:
+    """While tracing: keep `tracer.python_grad`, the grad mode Python code last set
+    (`torch.no_grad()`, `torch.set_grad_enabled`, `torch.enable_grad()` all go through
+    `torch._C._set_grad_enabled`). A custom autograd.Function's forward also runs with gradients
+    off, set in C++: fx traces it inline (Bloom's GELU), and its nodes are not the model's
+    no_grad code (marked as such, Bloom's gradients stopped at its GELUs)."""
+    real = torch._C._set_grad_enabled
+    tracer.python_grad = torch.is_grad_enabled()
+
+    def setting(mode: bool) -> None:
+        if not getattr(tracer, "_computing", False):  # (not the concrete trace's own no_grad)
+            tracer.python_grad = bool(mode)
+        return real(mode)
+
+    torch._C._set_grad_enabled = setting
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = real
+
+
+def made_without_grad(tracer: Any) -> bool:
+    """Whether a node created now is the model's no_grad code (see `track`)."""
+    return not torch.is_grad_enabled() and not getattr(tracer, "python_grad", True)
 
 
 def no_grad_value(value: Any) -> Any:

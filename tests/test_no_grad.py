@@ -90,3 +90,46 @@ def test_no_grad_code_sends_no_gradient(make, fraction, monkeypatch, tmp_path):
 def test_an_in_place_change_under_no_grad_of_a_value_with_gradients_is_refused():
     with pytest.raises(TraceError, match="'clamp_' changes 'relu' in place under torch.no_grad"):
         trace(ClampsUnderNoGrad(), torch.randn(4, 8))
+
+
+class _Gelu(torch.autograd.Function):
+    """Bloom's GELU is written this way: a custom Function, traced inline by fx."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.79788456 * (1 + 3 * 0.044715 * x * x))
+
+
+class CustomFunctionInline(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if y.shape[0] > 2:  # (shape-dependent Python: the concrete trace)
+            y = y * 1.0
+        return self.b(_Gelu.apply(y))
+
+
+def test_a_custom_functions_forward_is_not_no_grad_code(monkeypatch, tmp_path):
+    """A custom autograd.Function's forward runs with gradients off, set in C++; fx traces it
+    inline. Its nodes were marked as the model's no_grad code and detached: Hugging Face Bloom's
+    gradients stopped at its GELUs (model_sweep: word embeddings 0.000586 off). Only grad mode
+    set from Python marks nodes now."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = CustomFunctionInline(), torch.randn(256, 64)
+    graph = trace(model, (x,))
+    assert not [n.name for n in graph.gm.graph.nodes if n.meta.get("monet_opt_no_grad")]
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=10, verbose=False)
+    assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "custom Function")
