@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt import autocast_regions, no_grad
+from monet_opt import autocast_regions, autograd_functions, no_grad
 from monet_opt.concrete_trace import ConcreteTracerMixin
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
@@ -396,8 +396,13 @@ def _trace_with_leaves(
         tracer.user_hooks = set().union(*(hook_ids(m) for m in model.modules()))
         try:
             # (nodes made with gradients off are the model's no_grad code; its autocast blocks
-            # are followed)
-            with torch.enable_grad(), no_grad.track(tracer), autocast_regions.track(tracer):
+            # are followed; its custom autograd Functions stay whole)
+            with (
+                torch.enable_grad(),
+                no_grad.track(tracer),
+                autocast_regions.track(tracer),
+                autograd_functions.track(tracer),
+            ):
                 graph = tracer.trace(model, concrete_args=concrete_args)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:

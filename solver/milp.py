@@ -101,7 +101,7 @@ def _solve(
     start_plan: Plan | None = None,
 ) -> tuple[Schedule, Plan | None]:
     """`solve`, and the plan of the schedule it returns (None for a baseline that is no policy)."""
-    from solver.baselines import analysis, fitting_baselines, lowest_peak_baseline, plan_of
+    from solver.baselines import analysis, fitting_baselines, lowest_peak_baseline, no_recompute, plan_of
     from solver.bounds import explain_lower_bound, min_feasible_lower_bound
     from solver.plan import PlanError, to_schedule
     from solver.schedule import Schedule, SolverInfo
@@ -128,6 +128,17 @@ def _solve(
             "nothing recomputed, every node's fastest implementation: fits, and no schedule is faster",
         )
         return fastest
+    if an.T == 0:
+        # nothing needs a backward (every parameter frozen, no gradient reaching the model):
+        # nothing is kept for one, so no schedule peaks below the plain forward's (the MILP,
+        # built for backward stages, failed with an IndexError)
+        plain = no_recompute(problem).predicted_peak_bytes
+        raise InfeasibleBudget(
+            f"budget {budget_bytes} bytes is below the minimum any schedule needs: {plain} bytes; "
+            "nothing in the model needs a backward (are all its parameters frozen?), so there is "
+            f"nothing to recompute (minimum_bytes={plain})",
+            plain,
+        )
     greedy_time = min(10.0, max(0.5, 0.15 * time_limit))
     log(verbose, f"budget {budget_bytes} B, lower bound {lb} B; the baselines (warm starts) first")
     fits = fitting_baselines(problem, budget_bytes, greedy_time=greedy_time)

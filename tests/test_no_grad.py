@@ -133,3 +133,37 @@ def test_a_custom_functions_forward_is_not_no_grad_code(monkeypatch, tmp_path):
     problem = build_problem(model, (x,), progress=False, repeats=1)
     schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=10, verbose=False)
     assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "custom Function")
+
+
+class AllUnderNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            with torch.no_grad():
+                y = torch.nn.functional.gelu(layer(x))
+            x = y + x
+        return x
+
+
+def test_a_model_with_nothing_needing_a_backward_gets_a_clear_answer(monkeypatch, tmp_path):
+    """Nothing needs a backward, so nothing is kept for one: a budget under the plain peak is
+    infeasible, and says why (the MILP, built for backward stages, failed with an IndexError)."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = AllUnderNoGrad(), torch.randn(512, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert not any(n.requires_backward for n in problem.nodes)
+    from solver.bounds import min_feasible_lower_bound
+
+    plain = solver.simulate(problem, solver.baselines.no_recompute(problem)).peak_bytes
+    assert min_feasible_lower_bound(problem) < plain
+    with pytest.raises(solver.InfeasibleBudget, match="nothing in the model needs a backward") as info:
+        solver.solve(problem, (min_feasible_lower_bound(problem) + plain) // 2, time_limit=5, verbose=False)
+    assert (
+        info.value.minimum_bytes
+        == solver.simulate(problem, solver.baselines.no_recompute(problem)).peak_bytes
+    )
+    assert solver.solve(problem, 1.0, time_limit=5, verbose=False).solver.status == "optimal"
