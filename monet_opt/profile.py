@@ -64,7 +64,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 12  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 13  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
@@ -72,6 +72,7 @@ CACHE_VERSION = 12  # 2: backward workspace net of memory the backward releases;
 # 10: attention implementations return the query's layout, as torch's default does
 # 11: grad_passed_flat: inputs whose gradient is the fed one (views, identities); out_strides
 # 12: a non-contiguous output's backward workspace also measured with a contiguous gradient
+# 13: a module's key holds its repr (children, parametrizations), not its extra_repr alone
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -183,7 +184,10 @@ def _describe(value: Any) -> Any:
 
 def _signature(node: fx.Node, target: Any, args: tuple, kwargs: dict, impl: str) -> str:
     if isinstance(target, torch.nn.Module):
-        what = f"{type(target).__module__}.{type(target).__name__}({target.extra_repr()}) train={target.training}"
+        # (repr, not extra_repr alone: it shows a module's children and parametrizations; an
+        # orthogonal Linear was served a weight-normed one's measurement, whose backward is ~900 KB
+        # lighter, and measured 13 % over its budget)
+        what = f"{type(target).__module__}.{type(target).__name__}:{target!r} train={target.training}"
     else:
         what = f"{node.op}:{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
     text = json.dumps([what, _describe(args), _describe(kwargs), impl], default=str)

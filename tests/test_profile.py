@@ -445,3 +445,31 @@ def test_a_node_read_only_by_a_mask_needs_no_backward(monkeypatch, tmp_path):
     assert backward["a"] and backward["masked_fill"] and backward["b"], backward
     schedule = solver.solve(problem, 1.0, time_limit=10, verbose=False)
     assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "masked")
+
+
+class _Parametrized(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        linear = nn.Linear(64, 64)
+        if how == "orthogonal":
+            self.a = nn.utils.parametrizations.orthogonal(linear)
+        else:
+            self.a = nn.utils.parametrizations.weight_norm(linear)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_modules_that_differ_only_in_their_parametrizations_are_measured_apart(monkeypatch, tmp_path):
+    """The cache key held a module's class and extra_repr: a weight-normed and an orthogonal
+    Linear of one size shared it, and the orthogonal one (a matrix exponential's backward, ~900 KB
+    here) was served the other's measurement: measured 13 % over its budget."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    normed = build_problem(_Parametrized("weight_norm"), (x,), progress=False, repeats=1)
+    orthogonal = build_problem(_Parametrized("orthogonal"), (x,), progress=False, repeats=1)
+    light = normed.nodes[0].impls[0].bwd_workspace
+    heavy = orthogonal.nodes[0].impls[0].bwd_workspace
+    assert heavy > light + 500_000, (light, heavy)
