@@ -40,7 +40,7 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from monet_opt import autocast_regions, autograd_functions, no_grad
-from monet_opt.concrete_trace import ConcreteTracerMixin
+from monet_opt.concrete_trace import ConcreteTracerMixin, is_compiled
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
@@ -72,8 +72,6 @@ KNOWN_LEAF_TYPES: tuple[type[nn.Module], ...] = (
     nn.TransformerDecoder,
     nn.Transformer,
     nn.RNNBase,
-    # a submodule the user compiled (torch.compile): runs compiled, as one node
-    torch._dynamo.eval_frame.OptimizedModule,
 )
 
 
@@ -216,6 +214,8 @@ class _Tracer(fx.Tracer):
         if module_qualified_name in self.leaf_paths:
             return True
         if isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name):
+            return True
+        if is_compiled(m):  # (a submodule the user compiled: runs compiled, as one node)
             return True
         if module_qualified_name and hook_ids(m) & self.user_hooks:
             # traced through, its hooks would run once, on fx's proxies, and never in training
