@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from monet_opt.functionalize import mutated_argument
+from monet_opt.functionalize import mutated_argument, setitem_out_of_place
 
 NO_GRAD = "monet_opt_no_grad"  # fx node meta key: created while gradients were off
 _CALLS = ("call_function", "call_method", "call_module")
@@ -72,7 +72,8 @@ def detach_no_grad_values(gm: fx.GraphModule) -> list[str]:
     no-grad node that changes a value computed with gradients in place."""
     marked = {n for n in gm.graph.nodes if n.op in _CALLS and n.meta.get(NO_GRAD)}
     for n in marked:
-        arg = mutated_argument(n, gm) if not _is_setitem(n) else n.args[0]
+        # (functionalize has made every `x[i] = v` a setitem_out_of_place of x)
+        arg = n.args[0] if n.target is setitem_out_of_place else mutated_argument(n, gm)
         if isinstance(arg, fx.Node) and arg.op in _CALLS and arg not in marked:
             raise ValueError(
                 f"node {n.name!r} changes {arg.name!r} in place under torch.no_grad(), and "
@@ -94,10 +95,3 @@ def detach_no_grad_values(gm: fx.GraphModule) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return routed
-
-
-def _is_setitem(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "__name__", "") in (
-        "setitem",
-        "setitem_out_of_place",
-    )
