@@ -11,7 +11,7 @@ gradient bytes, and the bytes its backward keeps in plain PyTorch (measured with
 parameters and buffers excluded).
 
 Modules fx cannot trace (data-dependent control flow, fast paths such as
-``nn.TransformerEncoderLayer``'s) become single leaf nodes: when tracing fails
+``nn.MultiheadAttention``'s) become single leaf nodes: when tracing fails
 inside a submodule, that submodule is made a leaf and tracing is retried. If the
 failure is in the root module's own ``forward``, `TraceError` names the module
 and the source line and suggests a fix.
@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt import autocast_regions, autograd_functions, no_grad
+from monet_opt import autocast_regions, autograd_functions, module_state, no_grad
 from monet_opt.concrete_trace import ConcreteTracerMixin, is_compiled
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
@@ -66,12 +66,19 @@ class TraceError(RuntimeError):
 # best kept whole. Instances (including user subclasses) are always leaves.
 KNOWN_LEAF_TYPES: tuple[type[nn.Module], ...] = (
     nn.MultiheadAttention,
-    nn.TransformerEncoderLayer,
-    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+)
+
+# torch.nn modules (fx keeps every one whole) traced through in training mode: torch's
+# transformer stacks. As one node, a whole nn.TransformerEncoder left the solver nothing to
+# recompute. In eval mode their forward may take a fused fast path chosen by data-dependent
+# checks, so they stay whole there (the wrapper runs eval steps plainly anyway).
+TRACED_IN_TRAINING: tuple[type[nn.Module], ...] = (
+    nn.Transformer,
     nn.TransformerEncoder,
     nn.TransformerDecoder,
-    nn.Transformer,
-    nn.RNNBase,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
 )
 
 
@@ -123,6 +130,7 @@ class OpNode:
     mutated_inputs: list[int] = field(default_factory=list)
     output_storage_ids: list[int] = field(default_factory=list)
     aliases_model_input: bool = False
+    state_bytes: int = 0  # buffers a leaf module changes as it runs (`monet_opt.module_state`)
 
     @property
     def requires_backward(self) -> bool:
@@ -213,6 +221,8 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths:
             return True
+        if isinstance(m, TRACED_IN_TRAINING) and m.training and not isinstance(m, self.leaf_types):
+            return False
         if isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name):
             return True
         if is_compiled(m):  # (a submodule the user compiled: runs compiled, as one node)
@@ -349,12 +359,12 @@ def _symbolic_trace(
         return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, False, concrete=False)
     except TraceError:
         pass
-    saved = _snapshot_buffers(model)  # the concrete trace runs the model (BatchNorm statistics)
+    saved = module_state.saved_buffers(model)  # the concrete trace runs the model (BatchNorm statistics)
     try:
         with torch.random.fork_rng(devices=_rng_devices(inputs)):
             return _trace_with_leaves(model, inputs, leaf_paths, leaf_types, leaf_fallback, concrete=True)
     finally:
-        _restore_buffers(model, saved)
+        module_state.restore_buffers(model, saved)
 
 
 class _ConcreteTracer(ConcreteTracerMixin, _Tracer):
@@ -686,11 +696,15 @@ class _Measure(fx.Interpreter):
             saved.append(t)
             return t
 
+        module = self.module.get_submodule(n.target) if n.op == "call_module" else None
+        buffers_before = module_state.buffer_values(module) if module is not None else {}
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             autocast_regions.under(n.meta.get(autocast_regions.AUTOCAST)),
         ):
             result = super().run_node(n)
+        # a leaf that changes its own buffers (spectral norm): recomputed from its starting state
+        state_bytes = module_state.record(n, module, buffers_before) if module is not None else 0
         self.keep.append(result)
         self.keep.extend(saved)
         _set_tensor_meta(n, result)
@@ -785,6 +799,7 @@ class _Measure(fx.Interpreter):
             "saved_storages": saved_storages,
             "mutated_inputs": mutated,
             "output_storage_ids": [self.storage_ids[k] for k in owned],
+            "state_bytes": state_bytes,
         }
         return result
 
@@ -941,7 +956,7 @@ def trace(
     call_nodes = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     op_names = {n.name for n in call_nodes}
 
-    buffers = _snapshot_buffers(model)
+    buffers = module_state.saved_buffers(model)
     meter = _Measure(gm, op_names)
     try:
         with torch.random.fork_rng(devices=_rng_devices(inputs)):
@@ -953,7 +968,7 @@ def trace(
                 node = meter.current_node
                 raise _run_error(exc, gm, node) from exc
             if check:
-                _restore_buffers(model, buffers)
+                module_state.restore_buffers(model, buffers)
                 torch.manual_seed(seed)
                 with torch.no_grad():
                     eager_out = model(*inputs)
@@ -962,7 +977,7 @@ def trace(
                 except TraceError as exc:
                     raise TraceError(str(exc) + _generator_hint(model)) from None
     finally:
-        _restore_buffers(model, buffers)
+        module_state.restore_buffers(model, buffers)
 
     facts = meter.facts
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -1019,17 +1034,6 @@ def trace(
         leaf_paths=sorted(leaf_paths | set(auto_leaves)),
         model_input_bytes=model_input_bytes,
     )
-
-
-def _snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: b.detach().clone() for k, b in model.named_buffers()}
-
-
-def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, b in model.named_buffers():
-            if k in saved and b.shape == saved[k].shape:
-                b.copy_(saved[k])
 
 
 def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> TraceError:

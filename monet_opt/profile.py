@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from monet_opt import autocast_regions
+from monet_opt import autocast_regions, module_state
 from monet_opt.graph import OpGraph, trace
 from monet_opt.keyword_inputs import KeywordRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
@@ -515,6 +515,7 @@ def build_problem(
     model = model.to(device)
     example_inputs = tuple(x.to(device) for x in example_inputs)
     modes = training_for_profile(model)  # (a frozen BatchNorm in eval mode stays so)
+    buffers = module_state.saved_buffers(model)  # (measuring runs move spectral norms' vectors on)
     try:
         return _build_problem(
             model,
@@ -534,8 +535,9 @@ def build_problem(
             grad_outputs=grad_outputs,
             outputs_held=outputs_held,
         )
-    finally:  # (also when profiling fails midway: the model leaves in the modes it came in)
+    finally:  # (also when profiling fails midway: the model leaves as it came in)
         restore_training_modes(model, modes)
+        module_state.restore_buffers(model, buffers)
 
 
 def _build_problem(
@@ -857,13 +859,17 @@ def _build_problem(
     cpu_state, cuda_states = _save_rng()
     states = len(random_nodes) + (1 if random_nodes else 0)
     rng_bytes = states * sum(t.numel() * t.element_size() for t in [cpu_state, *(cuda_states or [])])
+    # a leaf changing its own buffers keeps them as they were before its run, and a recomputation
+    # runs on one more copy (`monet_opt.module_state`)
+    state_bytes = 2 * sum(n.state_bytes for n in graph.nodes)
     info["fixed_bytes_detail"] = {
         "rng_states": rng_bytes,
         "runtime_reserve": RUNTIME_RESERVE_BYTES,
         "replay_memos": memo_bytes,
+        "buffer_states": state_bytes,
     }
-    # (memos counted for every node that may keep one, recomputed or not: they are small)
-    fixed = rng_bytes + RUNTIME_RESERVE_BYTES + memo_bytes
+    # (memos and buffer states counted for every node that may keep one, recomputed or not: small)
+    fixed = rng_bytes + RUNTIME_RESERVE_BYTES + memo_bytes + state_bytes
     fingerprint = graph.fingerprint
     if optimizer is not None:
         fingerprint += FINGERPRINT_SUFFIX

@@ -266,7 +266,7 @@ def test_fingerprint_stable_across_processes():
     assert out.stdout.strip().splitlines()[-1] == here
 
 
-def test_transformer_encoder_layer_is_a_leaf():
+def test_transformer_encoder_layer_is_a_leaf_in_eval_and_traced_through_in_training():
     model, x = M.with_encoder_layer()
     model.eval()  # eval: the layer's fast path is live, fx could not trace into it
     g = trace(model, x)
@@ -275,13 +275,26 @@ def test_transformer_encoder_layer_is_a_leaf():
     assert [n.kind for n in g.nodes] == ["linear", "relu", "transformerencoderlayer", "linear"]
     with torch.no_grad():
         torch.testing.assert_close(g.gm(x), model(x))
-    model.train()
+    model.train()  # (graph.TRACED_IN_TRAINING: the solver gets its layers to choose from)
     g = trace(model, x)
-    assert g.node("enc").saved_bytes > 0
+    assert "transformerencoderlayer" not in [n.kind for n in g.nodes]
+    assert [n.kind for n in g.nodes if n.op == "call_module"] == [
+        "linear",
+        "multiheadattention",
+        "dropout",
+        "layernorm",
+        "linear",
+        "dropout",
+        "linear",
+        "dropout",
+        "layernorm",
+        "linear",
+    ]
+    assert trace(model, x, leaf_modules=[nn.TransformerEncoderLayer]).node("enc").saved_bytes > 0
 
 
 def test_torch_nn_root_becomes_one_node():
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True).eval()
     x = torch.randn(2, 5, 32)
     g = trace(layer, x)
     assert [n.kind for n in g.nodes] == ["transformerencoderlayer"]

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
-from monet_opt import autocast_regions
+from monet_opt import autocast_regions, module_state
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
@@ -172,6 +172,7 @@ class _Plan:
     params: list[torch.Tensor]  # parameters the node uses that need gradients
     reuse: str | None = None  # "relu" / "add": the default may run in place on its first input
     again: bool = False  # the schedule computes it again: implementations that replay get a memo
+    state: list[str] = field(default_factory=list)  # buffers it changes, recomputed from (module_state)
 
 
 @dataclass
@@ -181,6 +182,7 @@ class _StepRun:
     grads: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
     rng: dict[str, tuple] = field(default_factory=dict)
     memos: dict[str, dict] = field(default_factory=dict)  # per node, for implementations that replay
+    buffer_states: dict[str, dict] = field(default_factory=dict)  # per node, its buffers before it ran
     inputs: dict[str, Any] = field(default_factory=dict)
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # id(param) -> gradient
@@ -362,6 +364,8 @@ class ScheduleExecutor:
         for name in schedule.recomputed():
             self.plans[name].random = True
             self.plans[name].again = True
+            # (a leaf changing its own buffers recomputes from their state before its first run)
+            self.plans[name].state = self.plans[name].node.meta.get(module_state.CHANGED_BUFFERS, [])
         # freed_after[stage][k]: the values the schedule frees after step k, before its next
         # compute or backward
         self.freed_after: list[list[frozenset[str]]] = []
@@ -635,10 +639,7 @@ class ScheduleExecutor:
         if reuse == "add":
             return args[0].add_(args[1])
         extra = {"memo": run.memos.setdefault(name, {})} if impl.replays and plan.again else {}
-        if rng_ctx is not None:
-            with rng_ctx:
-                return impl.run(plan.target, args, kwargs, recompute, **extra)
-        return impl.run(plan.target, args, kwargs, recompute, **extra)
+        return _run_node(run, plan, name, impl, args, kwargs, recompute, extra, rng_ctx)
 
     def _join_group(
         self, run: _StepRun, group: Group, name: str, impl_name: str, out: Any, outs, leaves, saved
@@ -1026,6 +1027,28 @@ def _no_autocast(device_type: str):
     if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
+
+
+def _run_node(
+    run: _StepRun, plan: _Plan, name: str, impl: Implementation, args, kwargs, recompute, extra, rng_ctx
+):
+    """`impl.run` with what a recomputation replays of the node's first run: its RNG state
+    (`rng_ctx`, given when recomputing) and the buffers its module started from (`plan.state`:
+    `monet_opt.module_state`). The interpreter and the generated segments both call it."""
+    if plan.state:
+        if not recompute:
+            run.buffer_states[name] = module_state.snapshot(plan.target, plan.state)
+        elif name in run.buffer_states:
+            with module_state.replayed(plan.target, run.buffer_states[name]):
+                return _run_impl(impl, plan.target, args, kwargs, recompute, extra, rng_ctx)
+    return _run_impl(impl, plan.target, args, kwargs, recompute, extra, rng_ctx)
+
+
+def _run_impl(impl: Implementation, target, args, kwargs, recompute: bool, extra: dict, rng_ctx) -> Any:
+    if rng_ctx is None:
+        return impl.run(target, args, kwargs, recompute, **extra)
+    with rng_ctx:
+        return impl.run(target, args, kwargs, recompute, **extra)
 
 
 def _save_rng() -> tuple:

@@ -86,11 +86,11 @@ def _runner(impl, target, recompute: bool, grad: bool):
 
 def _replaying_runner(impl, plan, name: str, recompute: bool, grad: bool, rng):
     """A call that replays, as `ScheduleExecutor.compute` does: the random numbers a node drew
-    in the forward (saved then, restored when computed again) and an implementation's memo."""
-    save_rng, same_rng, restore_rng = rng
+    in the forward (saved then, restored when computed again), an implementation's memo and
+    the buffers a module started from (`_run_node`)."""
+    save_rng, same_rng, restore_rng, run_node = rng
     memo = impl.replays and plan.again
     random = plan.random
-    target = plan.target
 
     def run_replaying(step_run, *args, **kwargs):
         extra = {"memo": step_run.memos.setdefault(name, {})} if memo else {}
@@ -103,11 +103,7 @@ def _replaying_runner(impl, plan, name: str, recompute: bool, grad: bool, rng):
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(grad)
         try:
-            if ctx is None:
-                out = impl.run(target, args, kwargs, recompute, **extra)
-            else:
-                with ctx:
-                    out = impl.run(target, args, kwargs, recompute, **extra)
+            out = run_node(step_run, plan, name, impl, args, kwargs, recompute, extra, ctx)
         finally:
             torch._C._set_grad_enabled(prev)
         if before is not None and not same_rng(before, save_rng()):
@@ -127,11 +123,12 @@ def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
         _GradBox,
         _Leaf,
         _RestoreRng,
+        _run_node,
         _same_rng,
         _save_rng,
     )
 
-    rng = (_save_rng, _same_rng, _RestoreRng)
+    rng = (_save_rng, _same_rng, _RestoreRng, _run_node)
 
     stage = executor.schedule.stages[si]
     steps = stage.steps
