@@ -197,6 +197,8 @@ def _signature(node: fx.Node, target: Any, args: tuple, kwargs: dict, impl: str)
 def _storage_bytes(t: torch.Tensor) -> int:
     # (makes t's storage unstealable for the autograd engine, monet_opt/storage.py: only on
     # tensors of the profiler's own measurement runs)
+    if t.layout == torch.sparse_coo:  # (nn.Embedding(sparse=True)'s weight gradient)
+        return _storage_bytes(t._indices()) + _storage_bytes(t._values())
     return t.untyped_storage().nbytes()
 
 

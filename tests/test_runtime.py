@@ -1291,3 +1291,37 @@ def test_the_warning_for_held_dropped_outputs_counts_a_shared_storage_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_if_held(refs)
+
+
+class SparseEmbeddingBag(nn.Module):
+    """nn.Embedding(sparse=True): its weight's gradient is a sparse tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64, sparse=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 8)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(ids)).mean(1)
+
+
+def test_a_sparse_gradient_is_profiled_and_trained_with(monkeypatch, tmp_path):
+    """Profiling measured the embedding's backward by its gradient's storage, which a sparse
+    tensor has none of (NotImplementedError)."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, ids = SparseEmbeddingBag(), torch.randint(0, 1000, (16, 32))
+    problem = build_problem(model, (ids,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    assert any(s.op == "compute" for st in schedule.stages[1:] for s in st.steps)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(ids,))
+    plain = copy.deepcopy(model)
+    for net in (plain, wrapped):
+        torch.manual_seed(1)
+        loss_of(net(ids)).backward()
+    assert model.embed.weight.grad.is_sparse
+    for (name, got), expected in zip(model.named_parameters(), plain.parameters()):
+        assert_grads_close(got.grad.to_dense(), expected.grad.to_dense(), name)
+    assert measure_step(wrapped, (ids,), steps=1)[0] <= schedule.budget_bytes
