@@ -276,6 +276,18 @@ class MonetWrapper(nn.Module):
             # the model itself, not the traced graph: a trace fixes what Python read while it ran
             # (`self.training`, so a functional dropout's p; with concrete shapes, the shapes)
             return self.model(*inputs, **named)
+        if torch.compiler.is_compiling():
+            # torch.compile(wrapper): the step runs eagerly, nothing it calls compiled (dynamo
+            # compiled pieces of the executor between graph breaks, and the gradients came out
+            # wrong, silently). (Compiling, dynamo is imported: no start-up cost otherwise.)
+            import torch._dynamo as dynamo
+
+            return dynamo.disable(self._training_step, reason="monet-opt runs its schedule eagerly")(
+                inputs, named
+            )
+        return self._training_step(inputs, named)
+
+    def _training_step(self, inputs: tuple, named: dict[str, Any]) -> Any:
         if self._keyword_root is not None:
             named = self._without_constants(named)
         if named:
