@@ -1352,3 +1352,28 @@ def test_a_compiled_wrapper_runs_its_schedule_eagerly(monkeypatch, tmp_path):
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), plain.eval()(x))
+
+
+def test_a_checkpoint_of_the_wrapper_is_the_plain_models():
+    """state_dict() without the 'model.' prefix: a checkpoint saved in training loads into the
+    plain model for inference, and a plain checkpoint (or a prefixed one) into the wrapper; also
+    with the wrapper as a submodule of a larger model."""
+    model, x, problem = setup("resnet18")
+    wrapped = MonetWrapper(model, baselines.chen_sqrt(problem), example_inputs=(x,))
+    saved = wrapped.state_dict()
+    assert list(saved) == list(model.state_dict())
+    assert "bn1" in saved._metadata and saved._metadata["bn1"]["version"] == 2  # (versions kept)
+    plain, _, _ = setup("resnet18")
+    with torch.no_grad():
+        plain.conv1.weight.zero_()
+    plain.load_state_dict(saved)
+    assert torch.equal(plain.conv1.weight, model.conv1.weight)
+    with torch.no_grad():
+        model.conv1.weight.zero_()
+    wrapped.load_state_dict(plain.state_dict())
+    assert torch.equal(model.conv1.weight, plain.conv1.weight)
+    wrapped.load_state_dict({f"model.{k}": v for k, v in plain.state_dict().items()})
+    outer = nn.ModuleDict({"backbone": wrapped, "head": nn.Linear(10, 2)})
+    keys = list(outer.state_dict())
+    assert keys[0] == "backbone.conv1.weight" and keys[-1] == "head.bias"
+    outer.load_state_dict(outer.state_dict())

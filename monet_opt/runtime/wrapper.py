@@ -178,6 +178,34 @@ def _first_shape(input_shape, example_inputs) -> tuple[int, ...] | None:
     return tuple(input_shape) if isinstance(input_shape[0], int) else tuple(input_shape[0])
 
 
+def _without_model_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A state_dict hook: the wrapper's entries under `prefix + 'model.'` move to `prefix`."""
+    _rename_under(state_dict, prefix + "model.", prefix)
+
+
+def _with_model_prefix(state_dict: dict, prefix: str, *_: Any) -> None:
+    """A load_state_dict pre-hook: entries under `prefix` not already under `prefix + 'model.'`
+    (a plain model's checkpoint) move there."""
+    _rename_under(state_dict, prefix, prefix + "model.", skip=prefix + "model.")
+
+
+def _rename_under(state_dict: dict, old: str, new: str, skip: str | None = None) -> None:
+    """Rename the keys starting with `old` (but not `skip`) to start with `new`, in order, and
+    the per-module metadata (`_metadata`: versions) with them."""
+
+    def moves(key: str) -> bool:
+        return key.startswith(old) and not (skip is not None and key.startswith(skip))
+
+    for key in [k for k in state_dict if moves(k)]:
+        state_dict[new + key[len(old) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        # (keyed by module path, 'model.0', the root's ''; its keys' prefix is the path and a dot)
+        for path in [m for m in metadata if moves(m + "." if m else "")]:
+            dotted = new + (path + "." if path else "")[len(old) :]
+            metadata[dotted[:-1]] = metadata.pop(path)
+
+
 class MonetWrapper(nn.Module):
     """Wrap `model` so its training steps follow `schedule`.
 
@@ -200,6 +228,9 @@ class MonetWrapper(nn.Module):
     Under torch.distributed (more than one rank) each parameter's gradient is averaged over the
     ranks before its step, as DistributedDataParallel would (the wrapper may be wrapped in DDP
     or not: DDP never sees these gradients).
+
+    `state_dict()` holds the model's own keys (no 'model.' prefix), so a checkpoint saved from
+    the wrapper loads into the plain model and back; `load_state_dict` takes either form.
     """
 
     def __init__(
@@ -214,6 +245,9 @@ class MonetWrapper(nn.Module):
         from monet_opt.graph import trace
 
         self.model = model
+        # the model's keys, without 'model.', both ways (checkpoints interchangeable with plain's)
+        self._register_state_dict_hook(_without_model_prefix)
+        self._register_load_state_dict_pre_hook(_with_model_prefix)
         if input_shape is not None and any(isinstance(d, torch.Tensor) for d in _flat_dims(input_shape)):
             raise TypeError("input_shape takes shapes; pass example tensors as example_inputs=(x,)")
         self.schedule = resolve_schedule(schedule, _first_shape(input_shape, example_inputs))
