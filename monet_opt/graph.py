@@ -46,7 +46,7 @@ from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
 from monet_opt.ops.common import mutable
 
-__all__ = ["trace", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
+__all__ = ["trace", "check_graph", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
 
 
 class TraceError(RuntimeError):
@@ -606,7 +606,22 @@ def _set_tensor_meta(n: fx.Node, result: Any) -> None:
     n.meta["type"] = type(result)
 
 
-class _Measure(fx.Interpreter):
+class _GraphRun(fx.Interpreter):
+    """Runs the traced graph as the runtime's default implementations do: plain lists for a
+    function's list arguments, each node under its autocast block's state."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_function(target, mutable(args), kwargs)
+
+    current_node: fx.Node | None = None  # (the node running: named when it fails)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current_node = n
+        with autocast_regions.under(n.meta.get(autocast_regions.AUTOCAST)):
+            return super().run_node(n)
+
+
+class _Measure(_GraphRun):
     """Runs the graph once, recording per-node facts (values are all kept alive,
     so storage addresses are never reused during the run)."""
 
@@ -623,7 +638,6 @@ class _Measure(fx.Interpreter):
         self.model_input_keys: set[tuple[str, int]] = set()
         self.keep: list[Any] = []
         self.facts: dict[str, dict[str, Any]] = {}
-        self.current_node: fx.Node | None = None
         # stale reads (`monet_opt.functionalize`): where each node stands, the storages of its
         # value, and, per storage, the latest node that mutated it in place
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -669,11 +683,7 @@ class _Measure(fx.Interpreter):
                         node=n.name,
                     )
 
-    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        return super().call_function(target, mutable(args), kwargs)  # (as the runtime calls it)
-
     def run_node(self, n: fx.Node) -> Any:
-        self.current_node = n
         if n.op not in ("call_module", "call_function", "call_method"):
             result = super().run_node(n)
             _set_tensor_meta(n, result)
@@ -698,10 +708,7 @@ class _Measure(fx.Interpreter):
 
         module = self.module.get_submodule(n.target) if n.op == "call_module" else None
         buffers_before = module_state.buffer_values(module) if module is not None else {}
-        with (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            autocast_regions.under(n.meta.get(autocast_regions.AUTOCAST)),
-        ):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(n)
         # a leaf that changes its own buffers (spectral norm): recomputed from its starting state
         state_bytes = module_state.record(n, module, buffers_before) if module is not None else 0
@@ -1034,6 +1041,30 @@ def trace(
         leaf_paths=sorted(leaf_paths | set(auto_leaves)),
         model_input_bytes=model_input_bytes,
     )
+
+
+def check_graph(
+    gm: fx.GraphModule, model: nn.Module, inputs: tuple, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    """Run a traced graph and the model itself on `inputs` under no_grad, from one RNG seed;
+    TraceError if the graph fails or its outputs differ (traced at one shape, it may have fixed
+    that shape: `x.view(8, -1)`). No-grad runs free their values as they go; the model's
+    buffers and the RNG are left as they were."""
+    buffers = module_state.saved_buffers(model)
+    graph_run = _GraphRun(gm)
+    try:
+        with torch.random.fork_rng(devices=_rng_devices(inputs)), torch.no_grad():
+            seed = int(torch.randint(0, 2**31 - 1, ()).item())
+            torch.manual_seed(seed)
+            try:
+                traced_out = graph_run.run(*inputs)
+            except Exception as exc:
+                raise _run_error(exc, gm, graph_run.current_node) from exc
+            module_state.restore_buffers(model, buffers)
+            torch.manual_seed(seed)
+            _check_same(traced_out, model(*inputs), rtol, atol, type(model).__name__)
+    finally:
+        module_state.restore_buffers(model, buffers)
 
 
 def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> TraceError:

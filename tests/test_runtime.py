@@ -319,8 +319,8 @@ def test_refuses_schedule_for_other_model_or_shape(tmp_path):
     with pytest.raises(FingerprintMismatch, match="input shapes agree: the model"):
         MonetWrapper(other, schedule, example_inputs=(x,))
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-    with pytest.raises(InputShapeMismatch, match="shape"):
-        wrapped(torch.randn(2, 3, 64, 64))
+    with pytest.raises(InputShapeMismatch, match="a larger one needs a schedule solved for its shape"):
+        wrapped(torch.randn(4, 3, 96, 64))  # (a smaller one runs it: test_a_smaller_input_...)
     with pytest.raises(InputShapeMismatch, match=r"input dtype \['float64'\] differs .* \['float32'\]"):
         wrapped(x.double())
     bad = tmp_path / "bad.json"
@@ -1377,3 +1377,38 @@ def test_a_checkpoint_of_the_wrapper_is_the_plain_models():
     keys = list(outer.state_dict())
     assert keys[0] == "backbone.conv1.weight" and keys[-1] == "head.bias"
     outer.load_state_dict(outer.state_dict())
+
+
+class BakedShape(nn.Module):
+    """Shape-dependent Python: the concrete trace fixes the view's sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).view(x.shape[0] // 2, 2, 64) if x.shape[0] > 4 else self.a(x)
+        return self.b(torch.relu(y)).sum(1)
+
+
+def test_a_smaller_input_runs_the_schedule_solved_for_a_larger_one(monkeypatch, tmp_path):
+    """An epoch's last, partial batch and a shorter sequence ran into InputShapeMismatch (a
+    DataLoader's default drop_last=False failed at the end of the first epoch). Smaller inputs
+    run the schedule now, with plain gradients and within its budget (each tensor is no larger);
+    a graph that fixed the traced shape is refused, naming the node."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    model, ids = models.gpt(batch=4, seq=32)
+    problem = build_problem(model, (ids,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(ids,))
+    for smaller in (ids[:3], ids[:, :20], ids[:1, :7]):
+        assert_same_gradients(model, wrapped, smaller, f"input {tuple(smaller.shape)}")
+        assert measure_step(wrapped, (smaller,), steps=1)[0] <= schedule.budget_bytes
+    assert wrapped._smaller_shapes == [[(3, 32)], [(4, 20)], [(1, 7)]]
+    assert_same_gradients(model, wrapped, ids, "the solved shape after smaller ones")
+    torch.manual_seed(0)
+    baked, x = BakedShape(), torch.randn(16, 64)
+    problem = build_problem(baked, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(baked, baselines.no_recompute(problem), example_inputs=(x,))
+    with pytest.raises(InputShapeMismatch, match=r"\[\(12, 64\)\] is smaller .* failed at node 'view'"):
+        wrapped(x[:12])

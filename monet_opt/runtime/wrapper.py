@@ -214,7 +214,10 @@ class MonetWrapper(nn.Module):
     the schedule was solved for; or example_inputs: tensors of those shapes (a tuple), or
     by keyword (a dict, as the schedule was solved with: `monet_opt.keyword_inputs`; the
     wrapper then returns the model's own output structure, a Hugging Face ModelOutput).
-    In eval mode, or under no_grad, the model runs plainly.
+    In eval mode, or under no_grad, the model runs plainly. An input smaller than the solved
+    one (no dimension larger: an epoch's last batch, a shorter sequence) runs the schedule
+    too, once its traced graph is checked to run as the model at that shape; a larger one is
+    refused (`InputShapeMismatch`).
 
     optimizer: for a schedule solved with the optimizer step in the backward
     (`build_problem(..., optimizer=...)`), the same optimizer: a factory
@@ -293,6 +296,7 @@ class MonetWrapper(nn.Module):
         # the flat output positions the training loop drops before the backward (outputs_held)
         self.dropped_outputs = list(self.schedule.meta.get("dropped_outputs", []))
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
+        self._smaller_shapes: list[list[tuple[int, ...]]] = []  # smaller shapes checked to run it
         self.input_dtypes = [x.dtype for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
@@ -327,11 +331,8 @@ class MonetWrapper(nn.Module):
         if named:
             inputs = self._positional(inputs, named)
         shapes = [tuple(x.shape) for x in inputs]
-        if shapes != self.input_shapes:
-            raise InputShapeMismatch(
-                f"input shape {shapes} differs from the shape the schedule was solved for "
-                f"{self.input_shapes}; solve a schedule for this shape"
-            )
+        if shapes != self.input_shapes and shapes not in self._smaller_shapes:
+            self._admit_smaller(inputs, shapes)
         dtypes = [x.dtype for x in inputs]
         if dtypes != self.input_dtypes:
             raise InputShapeMismatch(
@@ -356,6 +357,34 @@ class MonetWrapper(nn.Module):
         if self._keyword_root is not None:  # the model's own output structure (a ModelOutput)
             return tree_unflatten(list(out), self._keyword_root.out_spec)
         return out
+
+    def _admit_smaller(self, inputs: tuple, shapes: list[tuple[int, ...]]) -> None:
+        """Let an input smaller than the solved one (no dimension larger: an epoch's last, partial
+        batch, a shorter sequence) run the schedule: each tensor of its step is no larger than
+        the solved step's, so neither is its peak. Checked once per shape: the traced graph must
+        run as the model does at it (traced at one shape, it may have fixed that shape)."""
+        from monet_opt.graph import TraceError, check_graph
+
+        solved = self.input_shapes
+        smaller = len(shapes) == len(solved) and all(
+            len(a) == len(b) and all(x <= y for x, y in zip(a, b)) for a, b in zip(shapes, solved)
+        )
+        if not smaller:
+            raise InputShapeMismatch(
+                f"input shape {shapes} differs from the shape the schedule was solved for {solved}; "
+                "a smaller input (no dimension larger) runs this schedule, a larger one needs a "
+                "schedule solved for its shape"
+            )
+        try:
+            root = self.model if self._keyword_root is None else self._keyword_root
+            check_graph(self.executor.gm, root, inputs)
+        except TraceError as exc:
+            raise InputShapeMismatch(
+                f"input shape {shapes} is smaller than the one the schedule was solved for {solved}, "
+                f"but the traced graph does not run as the model at this shape: {exc} Solve a "
+                "schedule for this shape (or pad a sequence to the solved length)."
+            ) from None
+        self._smaller_shapes.append(shapes)
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
         """The keywords without the constants the schedule was traced with (`use_cache=False`);
