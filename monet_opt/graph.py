@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt import autocast_regions, autograd_functions, module_state, no_grad
+from monet_opt import autocast_regions, autograd_functions, module_state, no_grad, random_sources
 from monet_opt.concrete_trace import ConcreteTracerMixin, is_compiled
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
@@ -406,12 +406,14 @@ def _trace_with_leaves(
         tracer.user_hooks = set().union(*(hook_ids(m) for m in model.modules()))
         try:
             # (nodes made with gradients off are the model's no_grad code; its autocast blocks
-            # are followed; its custom autograd Functions stay whole)
+            # are followed; its custom autograd Functions stay whole; random draws from shapes
+            # alone are nodes)
             with (
                 torch.enable_grad(),
                 no_grad.track(tracer),
                 autocast_regions.track(tracer),
                 autograd_functions.track(tracer),
+                random_sources.track(tracer),
             ):
                 graph = tracer.trace(model, concrete_args=concrete_args)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
