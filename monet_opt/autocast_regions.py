@@ -71,6 +71,17 @@ def under(spec: Spec | None) -> Iterator[None]:
         yield
 
 
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Backward kernels run as in a plain `loss.backward()` outside autocast: the wrapper's
+    backward runs under the forward's autocast (for recomputation), and a backward formula made
+    of autocast-listed ops (attention's math path, with dropout) would otherwise run in other
+    dtypes (GPT-2 under bf16: gradients 0.5 % off plain's); profiling under the caller's autocast
+    measures backwards so too (a chunked convolution backward failed on mixed dtypes)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def with_spec(impls: list[Implementation], spec: Spec | None) -> list[Implementation]:
     """The implementations, each running under `spec` (unchanged for None)."""
     if not spec:
@@ -84,6 +95,15 @@ def _running_under(run, spec: Spec):
             return run(*args, **kwargs)
 
     return run_under
+
+
+def to_json(spec: Spec) -> list:
+    """[[device, enabled, dtype name], ...] (schedule metadata)."""
+    return [[d, e, str(t).removeprefix("torch.")] for d, e, t in spec]
+
+
+def from_json(rows: list) -> Spec:
+    return tuple((str(d), bool(e), getattr(torch, str(t))) for d, e, t in rows)
 
 
 def describe(spec: Spec | None) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from monet_opt import autocast_regions
 from monet_opt.memory import measure_peak
 from monet_opt.node_timer import on_cuda
 from solver.schedule import Schedule
@@ -286,6 +287,19 @@ class BenchResult:
         return "\n".join(out)
 
 
+class AutocastForward(nn.Module):
+    """`net` with its forward under an autocast spec (`monet_opt.autocast_regions`); the
+    backward outside it, as a training loop runs it."""
+
+    def __init__(self, net: nn.Module, spec: Any) -> None:
+        super().__init__()
+        self.net, self.spec = net, spec
+
+    def forward(self, *inputs: Any) -> Any:
+        with autocast_regions.under(self.spec):
+            return self.net(*inputs)
+
+
 def bench_schedule(schedule: Schedule, steps: int = 3, device: str | None = None) -> BenchResult:
     """Rebuild the schedule's model from its metadata and measure it against plain PyTorch."""
     spec = spec_of(schedule)
@@ -327,8 +341,11 @@ def bench_model(
         plain = copy.deepcopy(model)
         fuse_into_backward(plain, optimizer_factory(optimizer))
         model = copy.deepcopy(model)
-    plain_peak = measure_step_peak(plain, inputs)
     wrapped = MonetWrapper(model, schedule, example_inputs=inputs, optimizer=optimizer)
+    if "autocast" in schedule.meta:  # (profiled under autocast: both forwards run under it)
+        spec = autocast_regions.from_json(schedule.meta["autocast"])
+        plain, wrapped = AutocastForward(plain, spec), AutocastForward(wrapped, spec)
+    plain_peak = measure_step_peak(plain, inputs)
     peak = measure_step_peak(wrapped, inputs)
     plain_t, t, quartiles = paired_times(plain, wrapped, inputs, steps)
     return BenchResult(

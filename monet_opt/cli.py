@@ -60,6 +60,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _profile_args(p: argparse.ArgumentParser) -> None:
     """What profiling takes besides the model (every command that profiles; not `trace`)."""
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument(
+        "--autocast",
+        choices=("bfloat16", "float16"),
+        help="profile and solve for training under torch.autocast with this dtype (train the "
+        "wrapped model's forward under the same autocast; `bench` does)",
+    )
     p.add_argument("--no-cache", action="store_true", help="profile again even if cached")
     p.add_argument(
         "--calibrate",
@@ -128,6 +134,14 @@ def _device(args):
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _autocast(args):
+    """torch.autocast as --autocast says (off without it), on the command's device."""
+    import torch
+
+    dtype = getattr(args, "autocast", None)
+    return torch.autocast(_device(args).type, dtype=getattr(torch, dtype or "bfloat16"), enabled=bool(dtype))
+
+
 def _problem(args, quiet: bool = False):
     from monet_opt.profile import build_problem
 
@@ -136,18 +150,19 @@ def _problem(args, quiet: bool = False):
     model = spec.build().to(device)
     inputs = spec.example_inputs(device)
     t0 = time.perf_counter()
-    problem = build_problem(
-        model,
-        inputs,
-        device=device,
-        use_cache=not args.no_cache,
-        progress=not quiet,
-        calibrate=getattr(args, "calibrate", False),
-        optimizer=getattr(args, "step_in_backward", None),
-        zero_pack=getattr(args, "zero_pack", False),
-        bitwise=getattr(args, "bitwise", False),
-        meta=spec.meta(),
-    )
+    with _autocast(args):
+        problem = build_problem(
+            model,
+            inputs,
+            device=device,
+            use_cache=not args.no_cache,
+            progress=not quiet,
+            calibrate=getattr(args, "calibrate", False),
+            optimizer=getattr(args, "step_in_backward", None),
+            zero_pack=getattr(args, "zero_pack", False),
+            bitwise=getattr(args, "bitwise", False),
+            meta=spec.meta(),
+        )
     if not quiet:
         print(
             f"profiled {len(problem.nodes)} nodes of {spec.describe()} in {time.perf_counter() - t0:.1f} s "
@@ -199,17 +214,18 @@ def cmd_solve(args) -> int:
     if args.problem_out:
         problem.to_json(args.problem_out)
     try:
-        problem, schedule = solve_model(
-            model,
-            inputs,
-            budget,
-            time_limit=args.time_limit,
-            verbose=True,
-            problem=problem,
-            optimizer=getattr(args, "step_in_backward", None),
-            refine=args.refine,
-            milp_solver=args.milp_solver,
-        )
+        with _autocast(args):  # (--refine runs the schedule: under the autocast it was solved for)
+            problem, schedule = solve_model(
+                model,
+                inputs,
+                budget,
+                time_limit=args.time_limit,
+                verbose=True,
+                problem=problem,
+                optimizer=getattr(args, "step_in_backward", None),
+                refine=args.refine,
+                milp_solver=args.milp_solver,
+            )
     except InfeasibleBudget as exc:
         # the user may think in fractions of plain PyTorch's peak: say the smallest one as well
         plain = no_recompute(problem).predicted_peak_bytes

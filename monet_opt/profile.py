@@ -318,7 +318,8 @@ def measure_node(
             # AccumulateGrad copies the in-place gradient (a whole activation the runtime never
             # allocates, which also hid the backward's own chunked temporaries)
             given.clear()
-        torch.autograd.backward(root, root.new_empty(0))
+        with autocast_regions.no_autocast(device.type):
+            torch.autograd.backward(root, root.new_empty(0))
 
     def memory_run(forward, given: list) -> tuple:
         """(output, forward peak, backward peak above what the forward left)"""
@@ -411,7 +412,8 @@ def measure_node(
                 p.grad = None
             _sync(device)
             t0 = time.perf_counter()
-            torch.autograd.backward(root, root.new_empty(0))
+            with autocast_regions.no_autocast(device.type):
+                torch.autograd.backward(root, root.new_empty(0))
             _sync(device)
             btimes.append(time.perf_counter() - t0)
             del root
@@ -614,6 +616,11 @@ def _build_problem(
     rows: list[dict] = []
     # node -> (restore from a consumer's state, bytes of the value it restores)
     restores: dict[str, list[tuple[Restore, int]]] = {}
+    # profiled under the caller's autocast: measured so (its own cache entries), implementations
+    # that cannot run under it left out, and the schedule's wrapper traced under it
+    caller_autocast = (
+        autocast_regions.spec_now([device.type]) if torch.is_autocast_enabled(device.type) else None
+    )
     for fx_node in fx_nodes:
         target = _resolve_target(gm, fx_node)
         # (a node inside the model's own autocast block runs under it: autocast_regions)
@@ -632,6 +639,7 @@ def _build_problem(
             for i in impls
             if (zero_pack or i.value_state_bytes is None)
             and (i.bitwise or not bitwise)
+            and (i.autocast or not caller_autocast)
             and (i.applies is None or i.applies(args, kwargs))
         ]
         sources, positions, inputs = _arg_layout(fx_node, args, kwargs, op_names)
@@ -684,6 +692,7 @@ def _build_problem(
                 _signature(fx_node, target, args, kwargs, impl.name)
                 + f":{grad_positions}"
                 + autocast_regions.describe(autocast)
+                + autocast_regions.describe(caller_autocast)
             )
             load = cpu_load() if device.type == "cpu" else None
             entry = cache.get(key, load)
@@ -879,6 +888,8 @@ def _build_problem(
             "optimizer": optimizer if isinstance(optimizer, str) else repr(optimizer),
             "step_bytes_per_param_byte": step_ratio,
         }
+    if caller_autocast:
+        info["autocast"] = autocast_regions.to_json(caller_autocast)
     if bitwise:
         info["bitwise"] = True  # only implementations with torch's gradients bit for bit
     if zero_pack:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -225,3 +226,19 @@ def test_trace_names_the_storage_an_in_place_node_shares_and_takes_no_profiling_
     with pytest.raises(SystemExit):
         main(["trace", "resnet18", "--calibrate"])  # tracing measures nothing
     assert "unrecognized arguments: --calibrate" in capsys.readouterr().err
+
+
+def test_autocast_solves_and_benches_under_it(tmp_path, capsys):
+    """--autocast bfloat16: profiled under autocast (recorded in the schedule); bench runs both
+    forwards under it, with no warning that the memory model may not hold."""
+    path = tmp_path / "r18_bf16.json"
+    args = ["resnet18", "--batch", "16", "--image", "32", "--time-limit", "5", "--autocast", "bfloat16"]
+    assert main(["solve", *args, "--budget", "0.95", "-o", str(path)]) == 0
+    capsys.readouterr()
+    schedule = Schedule.from_json(path)
+    assert schedule.meta["autocast"] == [["cpu", True, "bfloat16"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert main(["bench", str(path), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured peak is within the budget" in out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,7 +95,22 @@ def implementations_for(op: str, target: Any, example_args=None, example_kwargs=
     assert impls and impls[0].name == "default", (op, target, impls)
     names = [i.name for i in impls]
     assert len(set(names)) == len(names), names
-    return impls
+    # (one not written for autocast runs the default under it: a schedule solved without
+    # autocast may be trained with it)
+    return [
+        i if i.autocast else dataclasses.replace(i, run=_default_under_autocast(i.run, impls[0].run))
+        for i in impls
+    ]
+
+
+def _default_under_autocast(run: Callable, default: Callable) -> Callable:
+    def run_or_default(target: Any, args: tuple, kwargs: dict, recompute: bool, **extra: Any) -> Any:
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+            return default(target, args, kwargs, recompute, **extra)
+        return run(target, args, kwargs, recompute, **extra)
+
+    return run_or_default
 
 
 def describe_registry() -> list[tuple[str, list[str]]]:

@@ -44,7 +44,12 @@ class Implementation:
     bitwise: the gradients (and outputs) are bit for bit torch's default's. False where the
     arithmetic differs (a weight gradient summed over batch chunks, an input rebuilt from the
     output, another attention kernel): the differences are float rounding (~1e-6 relative),
-    and `build_problem(..., bitwise=True)` leaves such implementations out."""
+    and `build_problem(..., bitwise=True)` leaves such implementations out.
+
+    autocast: runs under torch.autocast as the default does (the default's dtypes, its
+    arithmetic up to rounding). False where it cannot (batch norm rebuilding its input from a
+    bfloat16 output): under autocast the node's default runs instead (`implementations_for`),
+    and `build_problem` under autocast does not offer it."""
 
     name: str
     run: Callable[..., Any]
@@ -54,6 +59,7 @@ class Implementation:
     applies: Callable[[tuple, dict], bool] | None = None
     value_state_bytes: Callable[[tuple, dict], int] | None = None
     bitwise: bool = True
+    autocast: bool = True
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

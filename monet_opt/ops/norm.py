@@ -405,6 +405,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                     grad_in_place=True,
                     replays=True,
                     bitwise=False,  # x_hat rebuilt from the output: a few ulps off
+                    autocast=False,  # (rebuilt from a bfloat16 output: gradients far off)
                 )
             )
             impls.append(
@@ -415,6 +416,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
                     grad_in_place=True,
                     replays=True,
                     bitwise=False,  # its own backward arithmetic (measured: ~4e-7 relative off)
+                    autocast=False,  # (its float32 backward formula on bfloat16 tensors)
                 )
             )
         return impls

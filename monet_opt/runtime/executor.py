@@ -34,7 +34,6 @@ The executor follows `solver.simulate`'s memory model step by step:
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import operator
 import os
@@ -790,7 +789,7 @@ class ScheduleExecutor:
             # autograd.grad, not backward: parameter gradients come back to us and leave through
             # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's
             # backward. Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
-            with _no_autocast(state.root.device.type):
+            with autocast_regions.no_autocast(state.root.device.type):
                 got = torch.autograd.grad(state.root, [_ANCHOR, *params], seed, allow_unused=True)
             for param, g in zip(params, got[1:]):
                 if g is None:
@@ -813,7 +812,7 @@ class ScheduleExecutor:
 
             hooks = [p.register_post_accumulate_grad_hook(take) for p in params]
             try:
-                with _no_autocast(state.root.device.type):
+                with autocast_regions.no_autocast(state.root.device.type):
                     torch.autograd.backward(state.root, seed, inputs=[_ANCHOR, *params])
             finally:
                 for h in hooks:
@@ -1017,16 +1016,6 @@ def _signature(inputs: tuple) -> tuple:
 
 def _group_key(group: Group) -> str:
     return "#" + group.members[0]  # (fx node names never start with '#')
-
-
-def _no_autocast(device_type: str):
-    """Backward kernels run as in a plain `loss.backward()` outside autocast: the wrapper's backward
-    runs under the forward's autocast (for recomputation), and a backward formula made of
-    autocast-listed ops (attention's math path, with dropout) would otherwise run in other dtypes
-    (GPT-2 under bf16: gradients 0.5 % off plain's)."""
-    if not torch.is_autocast_enabled(device_type):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False)
 
 
 def _run_node(
