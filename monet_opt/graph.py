@@ -67,6 +67,7 @@ class TraceError(RuntimeError):
 KNOWN_LEAF_TYPES: tuple[type[nn.Module], ...] = (
     nn.MultiheadAttention,
     nn.RNNBase,
+    torch.jit.ScriptModule,  # (traced through, it became a call on its C++ object: parameters unseen)
 )
 
 # torch.nn modules (fx keeps every one whole) traced through in training mode: torch's

@@ -1412,3 +1412,36 @@ def test_a_smaller_input_runs_the_schedule_solved_for_a_larger_one(monkeypatch, 
     wrapped = MonetWrapper(baked, baselines.no_recompute(problem), example_inputs=(x,))
     with pytest.raises(InputShapeMismatch, match=r"\[\(12, 64\)\] is smaller .* failed at node 'view'"):
         wrapped(x[:12])
+
+
+class WithScriptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.block(torch.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_torchscript_submodule_is_one_node_and_trains(fraction, monkeypatch, tmp_path):
+    """Traced through, a torch.jit.script submodule became a call on its C++ object: its
+    parameters were unknown to the profile and the runtime, and the wrapped step left their
+    gradients None, silently. It is a leaf now."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    x = torch.randn(256, 64)
+    torch.manual_seed(0)
+    model = WithScriptedBlock()
+    torch.manual_seed(0)
+    plain = WithScriptedBlock()  # (not a deepcopy: a copied script module's parameters get no grad)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert problem.node("block").param_grad_bytes == 2 * (64 * 64 + 64) * 4
+    schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    expected = grads_after_step(plain, plain, x)
+    got = grads_after_step(wrapped, model, x)
+    assert got.keys() == expected.keys() == {n for n, _ in model.named_parameters()}
+    for key in expected:
+        assert_grads_close(got[key], expected[key], f"grad of {key}")
+    assert measure_step(wrapped, (x,), steps=1)[0] <= schedule.budget_bytes
