@@ -7,9 +7,12 @@ output's tensors as a flat tuple (the output's structure, a `ModelOutput` or a d
 `out_spec` to rebuild it). Values in the dict that are not tensors (`use_cache=False`) are
 constants of the trace: every traced step passes them as they were.
 
+Positional inputs that hold containers of tensors (`model(batch)` with a batch dict, a list of
+views) are traced through a `StructuredRoot` the same way: the tensors flat, the structure kept.
+
 `as_traceable(model, example_inputs)` is the one entry: a mapping (a dict, a tokenizer's
-BatchEncoding) gives a `KeywordRoot` and its tensors in order; anything else passes through as
-a tuple.
+BatchEncoding) gives a `KeywordRoot` and its tensors in order; positional inputs holding
+containers a `StructuredRoot`; anything else passes through as a tuple.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class KeywordRoot(nn.Module):
@@ -36,27 +39,86 @@ class KeywordRoot(nn.Module):
         self.out_spec: Any = None  # the model output's pytree structure, set by each forward
 
     def _flat(self, out: Any) -> tuple:
-        leaves, spec = tree_flatten(out)
-        odd = [type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, fx.Proxy, type(None)))]
-        if odd:
-            hint = (
-                " (a Hugging Face model returns its key/value cache: pass use_cache=False with the inputs)"
-                if any("Cache" in name for name in odd)
-                else ""
-            )
-            from monet_opt.graph import TraceError  # (graph.py imports this module)
-
-            raise TraceError(
-                f"{type(self.model).__name__}'s output holds a {odd[0]}, not a tensor{hint}; "
-                "a traced model returns tensors (in tuples, lists, dicts or ModelOutputs)"
-            )
-        self.out_spec = spec
-        return tuple(leaves)
+        leaves, self.out_spec = _flat_output(self.model, out)
+        return leaves
 
     @property
     def grad_outputs(self) -> list[int] | None:
         """The flat output positions a training loss reads by default (`grad_output_positions`)."""
         return loss_positions(self.out_spec)
+
+
+def _flat_output(model: nn.Module, out: Any) -> tuple[tuple, Any]:
+    """(the output's leaves, its pytree structure); TraceError if a leaf is not a tensor."""
+    leaves, spec = tree_flatten(out)
+    odd = [type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, fx.Proxy, type(None)))]
+    if odd:
+        hint = (
+            " (a Hugging Face model returns its key/value cache: pass use_cache=False with the inputs)"
+            if any("Cache" in name for name in odd)
+            else ""
+        )
+        from monet_opt.graph import TraceError  # (graph.py imports this module)
+
+        raise TraceError(
+            f"{type(model).__name__}'s output holds a {odd[0]}, not a tensor{hint}; "
+            "a traced model returns tensors (in tuples, lists, dicts or ModelOutputs)"
+        )
+    return tuple(leaves), spec
+
+
+class StructuredRoot(nn.Module):
+    """Calls `model` with positional inputs that hold containers of tensors (a batch dict, a list
+    of views): its forward takes the tensors flat, in `tree_flatten`'s order, rebuilds the
+    structure (`in_spec`, the other leaves as constants) and returns the output's tensors flat
+    (`out_spec` rebuilds it). The wrapper flattens each step's inputs the same way
+    (`flat_inputs`)."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple) -> None:
+        super().__init__()
+        self.model = model
+        leaves, self.in_spec = tree_flatten(tuple(example_inputs))
+        self.tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.constants = {k: v for k, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+        self.out_spec: Any = None
+        self.training = model.training
+
+    def _call(self, tensors: tuple) -> tuple:
+        leaves: list[Any] = [None] * self.in_spec.num_leaves
+        for k, t in zip(self.tensor_positions, tensors):
+            leaves[k] = t
+        for k, v in self.constants.items():
+            leaves[k] = v
+        out = self.model(*tree_unflatten(leaves, self.in_spec))
+        flat, self.out_spec = _flat_output(self.model, out)
+        return flat
+
+    def flat_inputs(self, inputs: tuple) -> tuple:
+        """A step's inputs as the traced root takes them; TypeError if their structure or their
+        non-tensor entries differ from the example's."""
+        leaves, spec = tree_flatten(tuple(inputs))
+        if spec != self.in_spec or any(leaves[k] != v for k, v in self.constants.items()):
+            raise TypeError(
+                f"monet-opt: the wrapped model's inputs are structured as {spec}, but the schedule was "
+                f"traced with {self.in_spec}: give the same containers, keys and constants"
+            )
+        return tuple(leaves[k] for k in self.tensor_positions)
+
+    @property
+    def grad_outputs(self) -> list[int] | None:
+        return loss_positions(self.out_spec)
+
+
+def structured_root(model: nn.Module, example_inputs: tuple) -> StructuredRoot:
+    """A `StructuredRoot` whose forward takes the inputs' tensors as arguments in0, in1, ...
+    (generated: torch.fx makes one graph input per argument, none of a *args)."""
+    n = sum(isinstance(v, torch.Tensor) for v in tree_flatten(example_inputs)[0])
+    names = ", ".join(f"in{k}" for k in range(n))
+    source = f"def forward(self, {names}):\n    return self._call(({names},))\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<monet_opt structured root of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
+    cls = type(f"StructuredRoot_{type(model).__name__}", (StructuredRoot,), {"forward": namespace["forward"]})
+    return cls(model, example_inputs)
 
 
 def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) -> KeywordRoot:
@@ -82,7 +144,13 @@ def as_traceable(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tupl
     if isinstance(example_inputs, torch.Tensor):
         return model, (example_inputs,)
     if not isinstance(example_inputs, Mapping):  # (a dict, or a tokenizer's BatchEncoding)
-        return model, tuple(example_inputs)
+        plain = all(isinstance(x, torch.Tensor) for x in example_inputs)
+        holds_tensors = any(isinstance(v, torch.Tensor) for v in tree_flatten(tuple(example_inputs))[0])
+        if isinstance(model, StructuredRoot) or plain or not holds_tensors:
+            return model, tuple(example_inputs)  # (no tensor at all: trace names the problem)
+        # containers of tensors among the positional inputs (a batch dict): a `StructuredRoot`
+        root = structured_root(model, tuple(example_inputs))
+        return root, root.flat_inputs(tuple(example_inputs))
     if not example_inputs:
         raise ValueError("example_inputs is an empty mapping: give the model's inputs by keyword")
     names = [k for k, v in example_inputs.items() if isinstance(v, torch.Tensor)]
@@ -114,6 +182,6 @@ def loss_positions(out_spec: Any) -> list[int] | None:
 def grad_output_positions(root: nn.Module, grad_outputs: str = "auto") -> list[int] | None:
     """The flat output positions a training loss reads, None for every output: with "auto", a
     `KeywordRoot` whose model returned a loss (`loss_positions`) is trained on it alone."""
-    if grad_outputs == "all" or not isinstance(root, KeywordRoot):
+    if grad_outputs == "all" or not isinstance(root, (KeywordRoot, StructuredRoot)):
         return None
     return root.grad_outputs

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from monet_opt import autocast_regions, module_state
 from monet_opt.graph import OpGraph, trace
-from monet_opt.keyword_inputs import KeywordRoot, as_traceable, grad_output_positions
+from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for, shares_gradient
 from monet_opt.ops.base import Implementation
@@ -848,6 +848,8 @@ def _build_problem(
             if isinstance(model, KeywordRoot)
             else {}
         ),
+        # positional inputs holding containers: their structure (the wrapper needs real ones)
+        **({"input_structure": str(model.in_spec)} if isinstance(model, StructuredRoot) else {}),
         # the flat output positions the loss reads (absent: every output; the wrapper checks it)
         **({"grad_outputs": loss_outputs} if loss_outputs is not None else {}),
         # the flat output positions the loop drops before the backward (`outputs_held`)

@@ -106,3 +106,65 @@ def test_loss_positions_find_a_returned_loss():
     assert loss_positions(tree_flatten({"loss": (t, t)})[1]) is None  # not one tensor
     assert loss_positions(tree_flatten((t, t))[1]) is None
     assert loss_positions(tree_flatten({"a": [t, t], "loss": t})[1]) == [2]
+
+
+class BatchDict(nn.Module):
+    """forward(batch): a dict of tensors and a flag, as training code often passes batches;
+    returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, batch: dict) -> dict:
+        h = torch.nn.functional.gelu(self.b(torch.tanh(self.a(batch["x"]) + batch["noise"])))
+        return {"logits": self.c(h), "scaled": batch["scale"] * h.mean()}
+
+
+class Views(nn.Module):
+    """forward(views): a list of augmented views through one encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    def forward(self, views: list) -> torch.Tensor:
+        return sum(self.enc(v) for v in views)
+
+
+def _batch(n: int = 128) -> dict:
+    return {"x": torch.randn(n, 64), "noise": torch.randn(n, 64), "scale": 2.0}
+
+
+@pytest.mark.parametrize(
+    "make, inputs", [(BatchDict, _batch), (Views, lambda n=128: [torch.randn(n, 64)] * 2)]
+)
+def test_positional_inputs_holding_containers_trace_solve_and_train(make, inputs, monkeypatch, tmp_path):
+    """model(batch) with a dict, model(views) with a list: as_traceable failed ('dict' object has
+    no attribute 'device'). A StructuredRoot takes their tensors flat and rebuilds them."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, example = make(), inputs()
+    problem = build_problem(model, (example,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    assert schedule.recomputed()
+    wrapped = MonetWrapper(model, schedule, example_inputs=(example,))
+    plain = BatchDict() if make is BatchDict else Views()
+    plain.load_state_dict(model.state_dict())
+    for batch in (example, inputs(100)):  # (and a smaller batch)
+        out, expected = wrapped(batch), plain(batch)
+        assert type(out) is type(expected)
+        loss = (lambda o: o["logits"].sum() + o["scaled"]) if make is BatchDict else (lambda o: o.sum())
+        loss(out).backward()
+        loss(expected).backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert_grads_close(p.grad, q.grad, name)
+        zero_grad(model)
+        zero_grad(plain)
+    if make is BatchDict:
+        with pytest.raises(TypeError, match="structured as"):
+            wrapped({**example, "scale": 3.0})
+        with pytest.raises(ValueError, match="pass example_inputs"):
+            MonetWrapper(
+                model, solve_model(model, (example,), 1.0, time_limit=5, verbose=False, problem=problem)[1]
+            )

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from monet_opt import autocast_regions
-from monet_opt.keyword_inputs import KeywordRoot, as_traceable
+from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
 from solver.schedule import FingerprintMismatch, Schedule
@@ -262,6 +262,11 @@ class MonetWrapper(nn.Module):
             raise TypeError("input_shape takes shapes; pass example tensors as example_inputs=(x,)")
         self.schedule = resolve_schedule(schedule, _first_shape(input_shape, example_inputs))
         made_up = example_inputs is None  # zeros of the given shapes stand in for real inputs
+        if made_up and "input_structure" in self.schedule.meta:
+            raise ValueError(
+                "the schedule was solved for inputs holding containers of tensors "
+                f"({self.schedule.meta['input_structure']}): pass example_inputs=(...) with them"
+            )
         if example_inputs is None:
             if input_shape is None:
                 shapes = self.schedule.meta.get("input_shapes")
@@ -283,10 +288,12 @@ class MonetWrapper(nn.Module):
             given = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
             if len(names) == len(given):
                 example_inputs = {**dict(zip(names, given)), **self.schedule.meta.get("input_constants", {})}
-        # inputs by keyword ({'input_ids': ids, 'use_cache': False}): traced through a root that
-        # takes them positionally and returns the output's tensors flat (`monet_opt.keyword_inputs`)
+        # inputs by keyword ({'input_ids': ids, 'use_cache': False}), or holding containers (a
+        # batch dict): traced through a root that takes their tensors positionally and returns the
+        # output's tensors flat (`monet_opt.keyword_inputs`)
         root, example_inputs = as_traceable(model, example_inputs)
         # (kept off the module tree: the model is registered once, as `self.model`)
+        object.__setattr__(self, "_root", root if root is not model else None)
         object.__setattr__(self, "_keyword_root", root if isinstance(root, KeywordRoot) else None)
         # traced under the autocast the schedule was profiled under, whatever the caller's is (the
         # fingerprint holds the nodes' dtypes): its metadata says it (`build_problem` records it),
@@ -339,6 +346,10 @@ class MonetWrapper(nn.Module):
         return self._training_step(inputs, named)
 
     def _training_step(self, inputs: tuple, named: dict[str, Any]) -> Any:
+        if isinstance(self._root, StructuredRoot):
+            if named:
+                raise TypeError("monet-opt: the schedule was traced with structured positional inputs only")
+            inputs = self._root.flat_inputs(inputs)
         if self._keyword_root is not None:
             named = self._without_constants(named)
         if named:
@@ -367,8 +378,8 @@ class MonetWrapper(nn.Module):
             *params,
         )
         out = tree_unflatten(list(flat), box.spec)
-        if self._keyword_root is not None:  # the model's own output structure (a ModelOutput)
-            return tree_unflatten(list(out), self._keyword_root.out_spec)
+        if self._root is not None:  # the model's own output structure (a ModelOutput)
+            return tree_unflatten(list(out), self._root.out_spec)
         return out
 
     def _profiled_autocast(self, model: nn.Module) -> autocast_regions.Spec | None:
@@ -420,8 +431,7 @@ class MonetWrapper(nn.Module):
                 "schedule solved for its shape"
             )
         try:
-            root = self.model if self._keyword_root is None else self._keyword_root
-            check_graph(self.executor.gm, root, inputs)
+            check_graph(self.executor.gm, self._root or self.model, inputs)
         except TraceError as exc:
             raise InputShapeMismatch(
                 f"input shape {shapes} is smaller than the one the schedule was solved for {solved}, "
