@@ -613,10 +613,10 @@ class _GraphRun(fx.Interpreter):
     """Runs the traced graph as the runtime's default implementations do: plain lists for a
     function's list arguments, each node under its autocast block's state."""
 
+    current_node: fx.Node | None = None  # (the node running: named when it fails)
+
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return super().call_function(target, mutable(args), kwargs)
-
-    current_node: fx.Node | None = None  # (the node running: named when it fails)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current_node = n

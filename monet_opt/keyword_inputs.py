@@ -114,11 +114,18 @@ def structured_root(model: nn.Module, example_inputs: tuple) -> StructuredRoot:
     (generated: torch.fx makes one graph input per argument, none of a *args)."""
     n = sum(isinstance(v, torch.Tensor) for v in tree_flatten(example_inputs)[0])
     names = ", ".join(f"in{k}" for k in range(n))
-    source = f"def forward(self, {names}):\n    return self._call(({names},))\n"
-    namespace: dict[str, Any] = {}
-    exec(compile(source, f"<monet_opt structured root of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
-    cls = type(f"StructuredRoot_{type(model).__name__}", (StructuredRoot,), {"forward": namespace["forward"]})
+    cls = _with_forward(StructuredRoot, model, names, f"self._call(({names},))")
     return cls(model, example_inputs)
+
+
+def _with_forward(base: type, model: nn.Module, arguments: str, returned: str) -> type:
+    """A subclass of `base` whose forward is `def forward(self, <arguments>): return <returned>`,
+    generated (torch.fx names the graph's inputs after the arguments)."""
+    source = f"def forward(self, {arguments}):\n    return {returned}\n"
+    namespace: dict[str, Any] = {}
+    where = f"<monet_opt {base.__name__} of {type(model).__name__}>"
+    exec(compile(source, where, "exec"), namespace)  # noqa: S102
+    return type(f"{base.__name__}_{type(model).__name__}", (base,), {"forward": namespace["forward"]})
 
 
 def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) -> KeywordRoot:
@@ -127,10 +134,7 @@ def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) 
         if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
             raise ValueError(f"example input name {name!r} is not a Python argument name")
     call = ", ".join([f"{n}={n}" for n in names] + [f"{k}=self.constants[{k!r}]" for k in constants])
-    source = f"def forward(self, {', '.join(names)}):\n    return self._flat(self.model({call}))\n"
-    namespace: dict[str, Any] = {}
-    exec(compile(source, f"<monet_opt keyword root of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
-    cls = type(f"KeywordRoot_{type(model).__name__}", (KeywordRoot,), {"forward": namespace["forward"]})
+    cls = _with_forward(KeywordRoot, model, ", ".join(names), f"self._flat(self.model({call}))")
     root = cls(model, tuple(names), constants)
     root.training = model.training  # (not root.train(): that sets every submodule to one mode)
     return root

@@ -46,9 +46,7 @@ _NormBase = nn.modules.batchnorm._NormBase
 def buffer_values(module: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of `module`'s buffers (none for a batch or instance norm node, whose
     implementations keep their statistics themselves; a norm inside a larger leaf counts)."""
-    if isinstance(module, _NormBase):
-        return {}
-    return {name: b.detach().clone() for name, b in module.named_buffers()}
+    return {} if isinstance(module, _NormBase) else saved_buffers(module)
 
 
 def changed_buffers(module: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
