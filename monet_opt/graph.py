@@ -46,7 +46,16 @@ from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
 from monet_opt.ops.common import mutable
 
-__all__ = ["trace", "check_graph", "OpGraph", "OpNode", "SavedStorage", "TraceError", "KNOWN_LEAF_TYPES"]
+__all__ = [
+    "trace",
+    "check_graph",
+    "graph_difference",
+    "OpGraph",
+    "OpNode",
+    "SavedStorage",
+    "TraceError",
+    "KNOWN_LEAF_TYPES",
+]
 
 
 class TraceError(RuntimeError):
@@ -1068,6 +1077,24 @@ def check_graph(
             _check_same(traced_out, model(*inputs), rtol, atol, type(model).__name__)
     finally:
         module_state.restore_buffers(model, buffers)
+
+
+def graph_difference(solved: fx.GraphModule, other: fx.GraphModule) -> str | None:
+    """Where `other` (the model traced again, at another input shape) differs from `solved` in
+    its nodes, their targets or the data flow between them, said in a sentence; None if nowhere.
+    The constants the nodes hold (the sizes a view was traced with) may differ: a schedule names
+    nodes, so it runs on either graph."""
+
+    def entries(gm: fx.GraphModule) -> list[tuple]:
+        return [(n.op, n.name, _target_str(n), [a.name for a in n.all_input_nodes]) for n in gm.graph.nodes]
+
+    a, b = entries(solved), entries(other)
+    for x, y in zip(a, b):
+        if x != y:
+            return f"node {x[1]!r} ({x[0]} {x[2]} of {x[3]}) is {y[1]!r} ({y[0]} {y[2]} of {y[3]}) there"
+    if len(a) != len(b):
+        return f"it has {len(b)} nodes, the solved graph {len(a)}"
+    return None
 
 
 def _run_error(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> TraceError:

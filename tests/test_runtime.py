@@ -15,6 +15,7 @@ import solver
 from monet_opt.bench import loss_of, measure_step, zero_grad
 from monet_opt.profile import build_problem
 from monet_opt.runtime import InputShapeMismatch, MonetWrapper
+from monet_opt.runtime import wrapper as wrapper_module
 from solver import baselines
 from solver.schedule import FingerprintMismatch, ScheduleError
 from tests import models
@@ -1409,9 +1410,35 @@ def test_a_smaller_input_runs_the_schedule_solved_for_a_larger_one(monkeypatch, 
     torch.manual_seed(0)
     baked, x = BakedShape(), torch.randn(16, 64)
     problem = build_problem(baked, (x,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    wrapped = MonetWrapper(baked, schedule, example_inputs=(x,))
+    # the graph fixed view(8, 2, 64): traced again at 12 rows it is the same graph but for the
+    # sizes, and runs the schedule
+    assert_same_gradients(baked, wrapped, x[:12], "input (12, 64), retraced")
+    assert measure_step(wrapped, (x[:12],), steps=1)[0] <= schedule.budget_bytes
+    assert list(wrapped._retraced) == [((12, 64),)]
+    # at 4 rows the model takes the other branch: another graph, refused, naming the node
+    with pytest.raises(InputShapeMismatch, match=r"\[\(4, 64\)\] is smaller .* graph differs .*node 'view'"):
+        wrapped(x[:4])
+    assert_same_gradients(baked, wrapped, x, "the solved shape after a retraced one")
+
+
+def test_retraced_shapes_are_kept_for_the_most_recently_used(monkeypatch, tmp_path):
+    """A wrapper keeps the graphs it traced again for smaller inputs (a shape each) up to
+    RETRACED_SHAPES, dropping the least recently used; a dropped shape is traced again when it
+    comes back, with plain gradients."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(wrapper_module, "RETRACED_SHAPES", 2)
+    torch.manual_seed(0)
+    baked, x = BakedShape(), torch.randn(16, 64)
+    problem = build_problem(baked, (x,), progress=False, repeats=1)
     wrapped = MonetWrapper(baked, baselines.no_recompute(problem), example_inputs=(x,))
-    with pytest.raises(InputShapeMismatch, match=r"\[\(12, 64\)\] is smaller .* failed at node 'view'"):
-        wrapped(x[:12])
+    for rows in (12, 10, 12, 8):
+        assert_same_gradients(baked, wrapped, x[:rows], f"input ({rows}, 64)")
+    assert list(wrapped._retraced) == [((12, 64),), ((8, 64),)]
+    assert wrapped._smaller_shapes == [[(12, 64)], [(8, 64)]]
+    assert_same_gradients(baked, wrapped, x[:10], "input (10, 64), traced again")
+    assert list(wrapped._retraced) == [((8, 64),), ((10, 64),)]
 
 
 class WithScriptedBlock(nn.Module):

@@ -408,3 +408,25 @@ def test_hidden_states_asked_for_after_an_eager_call_come_out_as_plain():
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
     for a, b in zip(out.hidden_states, expected.hidden_states):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_shorter_sequences_and_smaller_batches_run_a_hugging_face_schedule(name):
+    """Hugging Face models' views fix batch and sequence length in the trace, so an epoch's last
+    batch or a shorter (dynamically padded) sequence was refused. The model is traced again at
+    such a shape, once, and the schedule runs on that graph: plain gradients (dropout on; building
+    the new graph's executor used to draw attention's trial tensors from the global RNG, and the
+    step's dropout masks then differed from plain's), within the budget."""
+    torch.manual_seed(0)
+    model, x = HF[name]().train(), _tokens()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    _, schedule = solve_model(
+        model, (x,), budget_at(problem, 0.0), time_limit=4, verbose=False, problem=problem
+    )
+    state = torch.get_rng_state()
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert torch.equal(torch.get_rng_state(), state), "building the wrapper moved the global RNG"
+    for smaller in (x[:5], x[:, :40], x[:3, :17]):
+        assert_same_gradients(model, wrapped, smaller, f"{name} {tuple(smaller.shape)}")
+        assert measure_step(wrapped, (smaller,), steps=1)[0] <= schedule.budget_bytes + LOSS_SCALARS
+    assert list(wrapped._retraced) == [((5, 64),), ((8, 40),), ((3, 17),)]

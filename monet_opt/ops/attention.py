@@ -173,11 +173,19 @@ def _make_backend(backend):
 _FUSED = (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))
 
 
+def _noise(shape: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """Random trial values from a generator of their own: building an executor (a wrapper, or
+    one for a new input shape inside a training step) must not move the caller's RNG, or the
+    step's dropout masks would differ from plain PyTorch's."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
+
+
 def _trial_params(p: dict | None) -> dict:
     """Small real tensors with the node's dtype, device, head size, GQA layout, mask kind and causality."""
     if p is None or not isinstance(p.get("query"), torch.Tensor):
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        q = torch.randn(1, 2, 8, 16, device=dev)
+        q = _noise([1, 2, 8, 16], torch.float32, dev)
         return dict(
             query=q,
             key=q.clone(),
@@ -195,7 +203,7 @@ def _trial_params(p: dict | None) -> dict:
         shape = list(t.shape)
         shape[-2] = length
         shape = [min(s, 2) for s in shape[:-3]] + shape[-3:]
-        return torch.randn(shape, dtype=t.dtype, device=t.device if not t.is_meta else "cpu")
+        return _noise(shape, t.dtype, t.device if not t.is_meta else "cpu")
 
     out = dict(p)
     out.update(query=small(q, L), key=small(k, S), value=small(v, S))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
 from solver.schedule import FingerprintMismatch, Schedule
+
+# how many smaller input shapes' retraced graphs a wrapper keeps (`MonetWrapper._retrace`)
+RETRACED_SHAPES = 32
 
 
 class InputShapeMismatch(ValueError):
@@ -223,8 +227,10 @@ class MonetWrapper(nn.Module):
     wrapper then returns the model's own output structure, a Hugging Face ModelOutput).
     In eval mode, or under no_grad, the model runs plainly. An input smaller than the solved
     one (no dimension larger: an epoch's last batch, a shorter sequence) runs the schedule
-    too, once its traced graph is checked to run as the model at that shape; a larger one is
-    refused (`InputShapeMismatch`).
+    too, once its traced graph is checked to run as the model at that shape (where the trace
+    fixed the shape, as Hugging Face models' do, the model is traced again at it, once per
+    shape, and must give the same graph but for the sizes); a larger one is refused
+    (`InputShapeMismatch`).
 
     optimizer: for a schedule solved with the optimizer step in the backward
     (`build_problem(..., optimizer=...)`), the same optimizer: a factory
@@ -316,6 +322,9 @@ class MonetWrapper(nn.Module):
         self.dropped_outputs = list(self.schedule.meta.get("dropped_outputs", []))
         self.input_shapes = [tuple(x.shape) for x in example_inputs]
         self._smaller_shapes: list[list[tuple[int, ...]]] = []  # smaller shapes checked to run it
+        # smaller shapes the traced graph fixed (a view's sizes): the model traced at each, the
+        # schedule on that graph; the most recently used RETRACED_SHAPES kept
+        self._retraced: OrderedDict[tuple, ScheduleExecutor] = OrderedDict()
         self._warned_autocast = False
         self.input_dtypes = [x.dtype for x in example_inputs]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
@@ -357,6 +366,9 @@ class MonetWrapper(nn.Module):
         shapes = [tuple(x.shape) for x in inputs]
         if shapes != self.input_shapes and shapes not in self._smaller_shapes:
             self._admit_smaller(inputs, shapes)
+        executor = self._retraced.get(tuple(shapes), self.executor)
+        if executor is not self.executor:
+            self._retraced.move_to_end(tuple(shapes))
         dtypes = [x.dtype for x in inputs]
         if dtypes != self.input_dtypes:
             raise InputShapeMismatch(
@@ -368,7 +380,7 @@ class MonetWrapper(nn.Module):
         box = _SpecBox()
         params = [p for p in self._all_params if p.requires_grad]
         flat = _ScheduledStep.apply(
-            self.executor,
+            executor,
             box,
             self.grad_outputs,
             self.dropped_outputs,
@@ -417,7 +429,10 @@ class MonetWrapper(nn.Module):
         """Let an input smaller than the solved one (no dimension larger: an epoch's last, partial
         batch, a shorter sequence) run the schedule: each tensor of its step is no larger than
         the solved step's, so neither is its peak. Checked once per shape: the traced graph must
-        run as the model does at it (traced at one shape, it may have fixed that shape)."""
+        run as the model does at it; traced at one shape, it may have fixed that shape (Hugging
+        Face models' views fix batch and sequence length): the model is then traced at this
+        shape, and the schedule runs on that graph if it has the solved graph's nodes and data
+        flow (`_retrace`)."""
         from monet_opt.graph import TraceError, check_graph
 
         solved = self.input_shapes
@@ -432,13 +447,41 @@ class MonetWrapper(nn.Module):
             )
         try:
             check_graph(self.executor.gm, self._root or self.model, inputs)
+        except TraceError:
+            self._retraced[tuple(shapes)] = self._retrace(inputs, shapes)
+            if len(self._retraced) > RETRACED_SHAPES:
+                evicted, _ = self._retraced.popitem(last=False)
+                self._smaller_shapes.remove(list(evicted))
+        self._smaller_shapes.append(shapes)
+
+    def _retrace(self, inputs: tuple, shapes: list[tuple[int, ...]]) -> ScheduleExecutor:
+        """The schedule on the model traced at `shapes`, whose graph must be the solved one but
+        for the sizes its nodes were traced with (InputShapeMismatch otherwise, naming where)."""
+        from monet_opt.graph import TraceError, graph_difference, trace
+
+        refused = (
+            f"input shape {shapes} is smaller than the one the schedule was solved for "
+            f"{self.input_shapes}, but the traced graph does not run as the model at this shape, "
+            "and traced at it"
+        )
+        inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        try:
+            with autocast_regions.under(self._profiled_autocast(self.model)):
+                graph = trace(self._root or self.model, inputs)
         except TraceError as exc:
             raise InputShapeMismatch(
-                f"input shape {shapes} is smaller than the one the schedule was solved for {solved}, "
-                f"but the traced graph does not run as the model at this shape: {exc} Solve a "
-                "schedule for this shape (or pad a sequence to the solved length)."
+                f"{refused} the model does not trace: {exc} Solve a schedule for this shape."
             ) from None
-        self._smaller_shapes.append(shapes)
+        where = graph_difference(self.executor.gm, graph.gm)
+        if where is not None:
+            raise InputShapeMismatch(
+                f"{refused} its graph differs from the solved one ({where}: shape-dependent "
+                "control flow). Solve a schedule for this shape, or pad the input to the solved shape."
+            )
+        executor = ScheduleExecutor(graph.gm, self.schedule)
+        if self.steps is not None:
+            executor.step_in_backward(self.steps.step)
+        return executor
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
         """The keywords without the constants the schedule was traced with (`use_cache=False`);
