@@ -349,3 +349,41 @@ def test_a_state_dict_for_other_parameters_or_chunks_is_refused():
         wrapped.steps.load_state_dict(fewer)
     with pytest.raises(ValueError, match="not a 'monet-opt per-parameter steps' state dict"):
         wrapped.steps.load_state_dict({"state": {}, "param_groups": []})
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_parameters_own_hook_runs_once_as_in_plain_training(in_backward):
+    """`p.register_hook(lambda g: g * 2)` (gradient scaling, clipping, logging) ran twice per
+    step: inside the local graph's autograd.grad and again on the gradient the wrapper hands the
+    engine, so a doubling hook quadrupled, silently. It runs once now, with the optimizer step
+    in the backward too (there, before the step)."""
+    model, x, problem = setup()
+    schedule = baselines.chen_sqrt(problem)
+    plain, ours = copy.deepcopy(model), copy.deepcopy(model)
+    calls = {"plain": 0, "ours": 0}
+    for tag, net in (("plain", plain), ("ours", ours)):
+        net.fc.weight.register_hook(lambda g: g * 2)
+
+        def count(g, tag=tag):
+            calls[tag] += 1
+
+        net.conv1.weight.register_hook(count)
+    opt = optimizer_factory("sgd-momentum")(list(plain.parameters()))
+    if in_backward:
+        wrapped = MonetWrapper(ours, schedule, example_inputs=(x,), optimizer="sgd-momentum")
+    else:
+        kept = build_problem(ours, (x,), progress=False, repeats=1)
+        wrapped = MonetWrapper(ours, baselines.chen_sqrt(kept), example_inputs=(x,))
+        ours_opt = optimizer_factory("sgd-momentum")(list(ours.parameters()))
+    for step in range(2):
+        for net in (plain, wrapped):
+            torch.manual_seed(step)
+            loss_of(net(x)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not in_backward:
+            ours_opt.step()
+            ours_opt.zero_grad(set_to_none=True)
+    assert calls == {"plain": 2, "ours": 2}
+    for (n, pa), pb in zip(plain.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"parameter {n}")

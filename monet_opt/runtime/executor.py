@@ -789,8 +789,18 @@ class ScheduleExecutor:
             # autograd.grad, not backward: parameter gradients come back to us and leave through
             # the wrapper's own autograd node, so hooks (DDP's all-reduce) fire in the user's
             # backward. Asking for _ANCHOR's gradient makes every _Leaf of the local graph run.
-            with autocast_regions.no_autocast(state.root.device.type):
-                got = torch.autograd.grad(state.root, [_ANCHOR, *params], seed, allow_unused=True)
+            # the parameters' own hooks (`p.register_hook`) run once, on the gradient the
+            # wrapper hands the engine, as in plain PyTorch: not here too (a doubling hook
+            # quadrupled)
+            hooked = [(p, p._backward_hooks) for p in params if p._backward_hooks]
+            for p, _ in hooked:
+                p._backward_hooks = None
+            try:
+                with autocast_regions.no_autocast(state.root.device.type):
+                    got = torch.autograd.grad(state.root, [_ANCHOR, *params], seed, allow_unused=True)
+            finally:
+                for p, hooks in hooked:
+                    p._backward_hooks = hooks
             for param, g in zip(params, got[1:]):
                 if g is None:
                     continue

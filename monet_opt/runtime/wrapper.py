@@ -27,6 +27,9 @@ class InputShapeMismatch(ValueError):
     """The input's shape (or dtype) differs from the one the schedule was solved for."""
 
 
+_STEP_ANCHOR = torch.empty(0, requires_grad=True)
+
+
 class _SpecBox:
     spec: Any = None
 
@@ -378,7 +381,10 @@ class MonetWrapper(nn.Module):
             )
         device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
         box = _SpecBox()
-        params = [p for p in self._all_params if p.requires_grad]
+        # the parameters, whose gradients leave through the step's node; with the optimizer step
+        # in the backward none do (each steps inside it), and an anchor stands in so the outputs
+        # require grad: given the parameters, the engine ran their hooks a second time, on None
+        params = [p for p in self._all_params if p.requires_grad] if self.steps is None else [_STEP_ANCHOR]
         flat = _ScheduledStep.apply(
             executor,
             box,
