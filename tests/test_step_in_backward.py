@@ -142,6 +142,16 @@ def setup():
     return model, x, problem
 
 
+def _train_step(nets: tuple, x: torch.Tensor, seed: int, optimizers: list) -> None:
+    """One training step of each net from one seed, then each optimizer's step."""
+    for net in nets:
+        torch.manual_seed(seed)
+        loss_of(net(x)).backward()
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def test_build_problem_marks_the_step():
     model, x, problem = setup()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -170,11 +180,7 @@ def test_parameters_after_three_steps_match_plain_training(name):
     fuse_into_backward(fused, optimizer_factory(name))
     wrapped = MonetWrapper(ours, schedule, example_inputs=(x,), optimizer=name)
     for step in range(3):
-        for net in (plain, fused, wrapped):
-            torch.manual_seed(step)
-            loss_of(net(x)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step((plain, fused, wrapped), x, step, [opt])
     assert all(p.grad is None for p in ours.parameters())
     for (n, pa), pf, pb in zip(plain.named_parameters(), fused.parameters(), ours.parameters()):
         torch.testing.assert_close(pf, pa, rtol=1e-5, atol=1e-6, msg=f"fused plain: parameter {n}")
@@ -313,11 +319,7 @@ def test_learning_rate_schedulers_and_a_saved_state_resume_like_plain_training()
     assert chunked  # layer 4's convolutions step by chunks
     ours_lr = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in wrapped.steps.all()]
     for step in range(2):
-        for net in (plain, wrapped):
-            torch.manual_seed(step)
-            loss_of(net(x)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step((plain, wrapped), x, step, [opt])
         plain_lr.step()
         for s in ours_lr:
             s.step()
@@ -368,22 +370,15 @@ def test_a_parameters_own_hook_runs_once_as_in_plain_training(in_backward):
             calls[tag] += 1
 
         net.conv1.weight.register_hook(count)
-    opt = optimizer_factory("sgd-momentum")(list(plain.parameters()))
+    optimizers = [optimizer_factory("sgd-momentum")(list(plain.parameters()))]
     if in_backward:
         wrapped = MonetWrapper(ours, schedule, example_inputs=(x,), optimizer="sgd-momentum")
     else:
         kept = build_problem(ours, (x,), progress=False, repeats=1)
         wrapped = MonetWrapper(ours, baselines.chen_sqrt(kept), example_inputs=(x,))
-        ours_opt = optimizer_factory("sgd-momentum")(list(ours.parameters()))
+        optimizers.append(optimizer_factory("sgd-momentum")(list(ours.parameters())))
     for step in range(2):
-        for net in (plain, wrapped):
-            torch.manual_seed(step)
-            loss_of(net(x)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not in_backward:
-            ours_opt.step()
-            ours_opt.zero_grad(set_to_none=True)
+        _train_step((plain, wrapped), x, step, optimizers)
     assert calls == {"plain": 2, "ours": 2}
     for (n, pa), pb in zip(plain.named_parameters(), ours.parameters()):
         torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"parameter {n}")
