@@ -923,6 +923,11 @@ def _fingerprint(gm: fx.GraphModule, nodes: list[OpNode], inputs: tuple, trainin
             entry.append([list(s) for s in on.shapes])
             entry.append(on.dtypes)
         items.append(entry)
+    # which parameters are frozen decides which nodes need a backward and which gradients the
+    # step makes (said only when some are: fingerprints of fully trainable models stay as they were)
+    frozen = [name for name, p in gm.named_parameters() if not p.requires_grad]
+    if frozen:
+        items.append({"frozen": frozen})
     blob = json.dumps(items, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

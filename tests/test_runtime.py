@@ -1472,3 +1472,38 @@ def test_a_torchscript_submodule_is_one_node_and_trains(fraction, monkeypatch, t
     for key in expected:
         assert_grads_close(got[key], expected[key], f"grad of {key}")
     assert measure_step(wrapped, (x,), steps=1)[0] <= schedule.budget_bytes
+
+
+def test_parameters_frozen_after_wrapping_get_no_gradient_and_unfrozen_ones_are_refused(
+    monkeypatch, tmp_path
+):
+    """Fine-tuning freezes and unfreezes layers between epochs. Frozen after wrapping, their
+    backward crashed inside autograd ("does not require grad"); they now get no gradient, as in
+    plain PyTorch, inside the budget. Unfrozen after a schedule solved with them frozen, they
+    silently got no gradient: refused now, naming them; and which parameters are frozen is part
+    of the fingerprint, so such a schedule does not wrap the model in another state."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=4, size=32)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=10, verbose=False)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    backbone = [*model.conv1.parameters(), *model.bn1.parameters(), *model.layer1.parameters()]
+    for p in backbone:
+        p.requires_grad_(False)
+    assert_same_gradients(model, wrapped, x, "frozen after wrapping")
+    assert all(p.grad is None for p in backbone)
+    assert measure_step(wrapped, (x,), steps=1)[0] <= schedule.budget_bytes
+    schedule.meta["input_shapes"] = [list(x.shape)]  # (as solve_model records: the error says more)
+    with pytest.raises(FingerprintMismatch, match="which parameters are frozen"):
+        MonetWrapper(model, schedule, input_shape=tuple(x.shape))
+    frozen_problem = build_problem(model, (x,), progress=False, repeats=1)
+    frozen = solver.solve(frozen_problem, budget_at(frozen_problem, 0.3), time_limit=10, verbose=False)
+    wrapped = MonetWrapper(model, frozen, example_inputs=(x,))
+    assert_same_gradients(model, wrapped, x, "solved frozen")
+    for p in backbone:
+        p.requires_grad_(True)
+    with pytest.raises(
+        RuntimeError, match=r"\['conv1.weight', 'bn1.weight', 'bn1.bias'\] \.\.\. \(15 in all\)"
+    ):
+        wrapped(x)

@@ -201,6 +201,9 @@ class _StepRun:
     decided: dict[tuple[int, int], str] = field(default_factory=dict)
     signature: tuple = ()
     pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
+    # nodes computed for a backward whose outputs need no gradient (their parameters frozen since
+    # the schedule was solved): the gradients their readers make for them are dropped
+    without_graph: set[str] = field(default_factory=set)
 
     def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
         """flat: value's flattened leaves, if the caller has them."""
@@ -597,7 +600,9 @@ class ScheduleExecutor:
                 self._join_group(
                     run, group, name, impl_name, out, [(i, flat[i]) for i in positions], leaves, saved
                 )
-            elif positions:
+            elif not positions:
+                run.without_graph.add(name)
+            else:
                 box = _GradBox()
                 with torch.enable_grad():
                     root = _Root.apply(box, *[flat[i] for i in positions])
@@ -744,12 +749,15 @@ class ScheduleExecutor:
             state = run.pop_state(name)
             members = (name,)
             params = self.plans[name].params
+        # (a parameter frozen since the wrapper was built gets no gradient, as in plain PyTorch;
+        # one unfrozen since is refused by the wrapper)
+        trainable = params if all(p.requires_grad for p in params) else [p for p in params if p.requires_grad]
         if self.param_step is None:
-            self._engine_call(run, state, members, params)
+            self._engine_call(run, state, members, trainable)
             return
         stepped: set[int] = set()
         try:
-            self._engine_call(run, state, members, params, stepped)
+            self._engine_call(run, state, members, trainable, stepped)
         finally:
             for param in params:  # (those the call made no gradient for)
                 if id(param) not in stepped:
@@ -766,7 +774,7 @@ class ScheduleExecutor:
         """Run the backward of a node's (or a group's) local graph. stepped: given with the
         optimizer step in the backward, gets the parameters read (and maybe stepped) inside."""
         if state is None:
-            grads = [run.grads.pop(m, None) for m in members]
+            grads = [run.grads.pop(m, None) for m in members if m not in run.without_graph]
             if any(g is not None and any(x is not None for x in g) for g in grads):
                 raise ScheduleRuntimeError(f"backward of {members[0]!r}: its backward state is not held")
             return

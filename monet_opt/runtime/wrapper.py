@@ -334,6 +334,8 @@ class MonetWrapper(nn.Module):
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
         # small GPT); which need gradients is asked every step
         self._all_params = list(model.parameters())
+        # those the schedule was solved to train (the fingerprint says which are frozen)
+        self._trainable = {id(p) for p in self._all_params if p.requires_grad}
         self.steps = None
         if optimizer is not None:
             self.steps = PerParameterSteps(
@@ -384,7 +386,10 @@ class MonetWrapper(nn.Module):
         # the parameters, whose gradients leave through the step's node; with the optimizer step
         # in the backward none do (each steps inside it), and an anchor stands in so the outputs
         # require grad: given the parameters, the engine ran their hooks a second time, on None
-        params = [p for p in self._all_params if p.requires_grad] if self.steps is None else [_STEP_ANCHOR]
+        trainable = [p for p in self._all_params if p.requires_grad]
+        if not all(id(p) in self._trainable for p in trainable):
+            self._refuse_unfrozen()
+        params = trainable if self.steps is None else [_STEP_ANCHOR]
         flat = _ScheduledStep.apply(
             executor,
             box,
@@ -399,6 +404,17 @@ class MonetWrapper(nn.Module):
         if self._root is not None:  # the model's own output structure (a ModelOutput)
             return tree_unflatten(list(out), self._root.out_spec)
         return out
+
+    def _refuse_unfrozen(self) -> None:
+        unfrozen = [
+            n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in self._trainable
+        ]
+        raise RuntimeError(
+            f"monet-opt: parameter(s) {unfrozen[:3]}{' ...' if len(unfrozen) > 3 else ''} "
+            f"({len(unfrozen)} in all) require grad now but were frozen when this wrapper was built: "
+            "the schedule computes no gradient for them and does not count their memory. Solve a "
+            "schedule with them trainable and wrap again (freezing more than was solved is fine)"
+        )
 
     def _profiled_autocast(self, model: nn.Module) -> autocast_regions.Spec | None:
         meta = self.schedule.meta
@@ -531,11 +547,15 @@ def _what_differs(schedule: Schedule, example_inputs: tuple, made_up: bool) -> s
         return f". It was solved for input shapes {[tuple(s) for s in solved]}, these are {[tuple(s) for s in shapes]}"
     if solved and made_up:
         return (
-            ". The input shapes agree, so the traced graph differs: if the model's shapes or control flow "
+            ". The input shapes agree, so the traced graph differs: the model (its layers, their sizes or "
+            "dtypes, or which parameters are frozen) differs, or, if the model's shapes or control flow "
             "depend on the input's values, pass a real batch as example_inputs=(x,) instead of input_shape"
         )
     if solved:
-        return ". The input shapes agree: the model (its layers, their sizes or dtypes) differs"
+        return (
+            ". The input shapes agree: the model (its layers, their sizes or dtypes, or which "
+            "parameters are frozen) differs"
+        )
     return ""
 
 
