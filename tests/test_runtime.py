@@ -1474,6 +1474,15 @@ def test_a_torchscript_submodule_is_one_node_and_trains(fraction, monkeypatch, t
     assert measure_step(wrapped, (x,), steps=1)[0] <= schedule.budget_bytes
 
 
+def _small_resnet18_wrapped(fraction: float) -> tuple:
+    """resnet18 b4 32x32, its schedule at `fraction` (budget_at) and the wrapper."""
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=4, size=32)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
+    return model, x, schedule, MonetWrapper(model, schedule, example_inputs=(x,))
+
+
 def test_parameters_frozen_after_wrapping_get_no_gradient_and_unfrozen_ones_are_refused(
     monkeypatch, tmp_path
 ):
@@ -1483,11 +1492,7 @@ def test_parameters_frozen_after_wrapping_get_no_gradient_and_unfrozen_ones_are_
     silently got no gradient: refused now, naming them; and which parameters are frozen is part
     of the fingerprint, so such a schedule does not wrap the model in another state."""
     monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
-    torch.manual_seed(0)
-    model, x = models.resnet18(batch=4, size=32)
-    problem = build_problem(model, (x,), progress=False, repeats=1)
-    schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=10, verbose=False)
-    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    model, x, schedule, wrapped = _small_resnet18_wrapped(0.3)
     backbone = [*model.conv1.parameters(), *model.bn1.parameters(), *model.layer1.parameters()]
     for p in backbone:
         p.requires_grad_(False)
@@ -1507,3 +1512,19 @@ def test_parameters_frozen_after_wrapping_get_no_gradient_and_unfrozen_ones_are_
         RuntimeError, match=r"\['conv1.weight', 'bn1.weight', 'bn1.bias'\] \.\.\. \(15 in all\)"
     ):
         wrapped(x)
+
+
+def test_a_deep_copy_trains_its_own_model_and_pickling_names_the_alternative(monkeypatch, tmp_path):
+    """copy.deepcopy(wrapped) (an EMA model, a second replica) wraps a copy of the model and
+    trains that copy with plain gradients; torch.save(wrapped) failed with "cannot pickle
+    'module' object" and now says what to save instead."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    model, x, schedule, wrapped = _small_resnet18_wrapped(0.0)
+    twin = copy.deepcopy(wrapped)
+    assert not any(p is q for p, q in zip(wrapped.parameters(), twin.parameters()))
+    assert_same_gradients(twin.model, twin, x, "deep copy")
+    twin(x).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(p.grad is None for p in wrapped.parameters())
+    with pytest.raises(TypeError, match=r"save wrapped.state_dict\(\)"):
+        torch.save(wrapped, tmp_path / "wrapped.pt")

@@ -382,3 +382,12 @@ def test_a_parameters_own_hook_runs_once_as_in_plain_training(in_backward):
     assert calls == {"plain": 2, "ours": 2}
     for (n, pa), pb in zip(plain.named_parameters(), ours.parameters()):
         torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"parameter {n}")
+
+
+def test_a_wrapper_stepping_in_the_backward_is_not_deep_copied_but_says_what_to_copy():
+    model, x, problem = setup()
+    wrapped = MonetWrapper(
+        copy.deepcopy(model), baselines.chen_sqrt(problem), example_inputs=(x,), optimizer="adam"
+    )
+    with pytest.raises(TypeError, match="copy the model"):
+        copy.deepcopy(wrapped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections import OrderedDict
@@ -335,7 +336,7 @@ class MonetWrapper(nn.Module):
         # small GPT); which need gradients is asked every step
         self._all_params = list(model.parameters())
         # those the schedule was solved to train (the fingerprint says which are frozen)
-        self._trainable = {id(p) for p in self._all_params if p.requires_grad}
+        self._solved_trainable = [p.requires_grad for p in self._all_params]
         self.steps = None
         if optimizer is not None:
             self.steps = PerParameterSteps(
@@ -358,6 +359,27 @@ class MonetWrapper(nn.Module):
                 inputs, named
             )
         return self._training_step(inputs, named)
+
+    def __getstate__(self) -> dict:
+        raise TypeError(
+            "monet-opt: a MonetWrapper is not pickled (torch.save(wrapped) saves the whole object, and "
+            "it holds code generated for its traced graph): save wrapped.state_dict() (the model's own "
+            "keys) and wrap the model again with the schedule's JSON after loading. copy.deepcopy works"
+        )
+
+    def __deepcopy__(self, memo: dict) -> MonetWrapper:
+        """A copy wrapping a copy of the model (an EMA model), as deepcopy makes of any module:
+        pickling's state is refused (`__getstate__`), deepcopy copies the attributes instead."""
+        if self.steps is not None:
+            raise TypeError(
+                "monet-opt: a wrapper with the optimizer step in the backward is not deep-copied (its "
+                "per-parameter optimizers are keyed by the parameters): copy the model, and wrap the "
+                "copy if it is to train"
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def _training_step(self, inputs: tuple, named: dict[str, Any]) -> Any:
         if isinstance(self._root, StructuredRoot):
@@ -386,9 +408,9 @@ class MonetWrapper(nn.Module):
         # the parameters, whose gradients leave through the step's node; with the optimizer step
         # in the backward none do (each steps inside it), and an anchor stands in so the outputs
         # require grad: given the parameters, the engine ran their hooks a second time, on None
-        trainable = [p for p in self._all_params if p.requires_grad]
-        if not all(id(p) in self._trainable for p in trainable):
+        if any(p.requires_grad and not t for p, t in zip(self._all_params, self._solved_trainable)):
             self._refuse_unfrozen()
+        trainable = [p for p in self._all_params if p.requires_grad]
         params = trainable if self.steps is None else [_STEP_ANCHOR]
         flat = _ScheduledStep.apply(
             executor,
@@ -406,9 +428,8 @@ class MonetWrapper(nn.Module):
         return out
 
     def _refuse_unfrozen(self) -> None:
-        unfrozen = [
-            n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in self._trainable
-        ]
+        solved = {id(p) for p, t in zip(self._all_params, self._solved_trainable) if t}
+        unfrozen = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in solved]
         raise RuntimeError(
             f"monet-opt: parameter(s) {unfrozen[:3]}{' ...' if len(unfrozen) > 3 else ''} "
             f"({len(unfrozen)} in all) require grad now but were frozen when this wrapper was built: "
