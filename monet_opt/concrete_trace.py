@@ -11,7 +11,13 @@ the example inputs' shapes, as a schedule is anyway (its fingerprint holds the s
 `torch.arange`) become constants of the graph.
 
 Control flow on tensor values (`if h.sum() > 0:`) still fails, as in plain fx: a trace must
-not depend on the data.
+not depend on the data. So does Python reading a size that depends on the data: the output of
+`nonzero`, `torch.where(mask)`, a boolean mask (`x[mask]`), `unique`, ..., and what is computed
+from it (a mixture of experts' tokens per expert). Answered with the example's number, the
+trace would fix it (`if rows.numel() == 0: continue` skipped an expert on other data, and the
+outputs were wrong, silently). Such values carry `alt`: meta tensors of the shapes they would
+have had, were each data-dependent size one larger; a size read where the two differ raises
+`DataDependentSize`, and the submodule doing it runs eagerly, as a leaf.
 """
 
 from __future__ import annotations
@@ -57,6 +63,37 @@ _META_METHODS = frozenset(
 )
 _NO_VALUE = object()
 
+# ops whose output may have a size read from the input's values (checked on meta tensors)
+_DATA_SIZED_FUNCTIONS = frozenset(
+    {
+        torch.nonzero,
+        torch.argwhere,
+        torch.masked_select,
+        torch.unique,
+        torch.unique_consecutive,
+        torch.repeat_interleave,
+        torch.bincount,
+        torch.where,
+        operator.getitem,
+    }
+)
+_DATA_SIZED_METHODS = frozenset(
+    {
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "repeat_interleave",
+        "bincount",
+        "__getitem__",
+    }
+)
+
+
+class DataDependentSize(RuntimeError):
+    """Python code read a size that depends on the values of the example inputs."""
+
 
 class ConcreteProxy(fx.Proxy):
     """A proxy with the value its node has on the example inputs (`value`)."""
@@ -68,20 +105,41 @@ class ConcreteProxy(fx.Proxy):
     def __getattr__(self, k: str) -> Any:
         value = self.__dict__.get("value", _NO_VALUE)
         if k in _META_ATTRS and isinstance(value, torch.Tensor):
-            return getattr(value, k)
+            return self._static(f".{k}", lambda v: getattr(v, k))
         return super().__getattr__(k)
 
     def __len__(self) -> int:
         value = self.__dict__.get("value", _NO_VALUE)
         if value is _NO_VALUE:
             return super().__len__()
-        return len(value)
+        return self._static("len()", len)
 
     def __iter__(self):
         value = self.__dict__.get("value", _NO_VALUE)
         if value is _NO_VALUE or (isinstance(value, torch.Tensor) and value.dim() == 0):
             return super().__iter__()
-        return iter([self[i] for i in range(len(value))])
+        return iter([self[i] for i in range(self._static("iteration", len))])
+
+    def _static(self, what: str, read: Any) -> Any:
+        """read(value), if it does not depend on the data: DataDependentSize where the value's
+        size does and `read` tells (`alt`, the shapes had those sizes been larger, reads
+        otherwise)."""
+        value = self.__dict__["value"]
+        got = read(value)
+        alt = self.__dict__.get("alt", _NO_VALUE)
+        if alt is _NO_VALUE:
+            return got
+        if alt is not None:
+            try:
+                if read(alt) == got:
+                    return got
+            except Exception:
+                pass
+        raise DataDependentSize(
+            f"Python reads the size of {self.node.name!r} ({what}), which depends on the input's "
+            "values (it comes from nonzero, torch.where(mask), a boolean mask, unique, ...): a trace "
+            "would fix it to the example's"
+        )
 
     def __setitem__(self, key: Any, value: Any) -> None:
         # `x[i] = v`: recorded as operator.setitem (its concrete value changes as the model's
@@ -137,11 +195,38 @@ class ConcreteTracerMixin:
         if kind == "call_method" and target in _META_METHODS and args and isinstance(args[0], ConcreteProxy):
             obj = value_of(args[0])
             if isinstance(obj, torch.Tensor):
-                return getattr(obj, target)(*_values(tuple(args[1:])), **_values(dict(kwargs)))
+                rest, kw = _values(tuple(args[1:])), _values(dict(kwargs))
+                return args[0]._static(f".{target}()", lambda v: getattr(v, target)(*rest, **kw))
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if isinstance(proxy, ConcreteProxy):
-            proxy.__dict__["value"] = self._compute(kind, target, args, kwargs)
+            value = self._compute(kind, target, args, kwargs)
+            proxy.__dict__["value"] = value
+            if _reads_data_sized(args, kwargs) or _may_size_by_data(kind, target, args, kwargs):
+                alt = self._alt(kind, target, args, kwargs, value)
+                if alt is None or not _same_shapes(alt, value):
+                    proxy.__dict__["alt"] = alt
         return proxy
+
+    def _alt(self, kind: str, target: Any, args: tuple, kwargs: dict, value: Any) -> Any:
+        """The node's output as meta tensors, computed from its inputs' `alt`s (meta copies of
+        the others); where the op cannot run on meta (its size comes from the data: nonzero, a
+        boolean mask), the value with its first dimension one larger; None if neither."""
+        try:
+            margs, mkwargs = _meta(args), _meta(kwargs)
+            with torch.no_grad():
+                if kind == "call_function":
+                    return target(*margs, **mkwargs)
+                if kind == "call_method":
+                    return getattr(margs[0], target)(*margs[1:], **mkwargs)
+                if kind == "call_module":
+                    mod = self.root.get_submodule(target)
+                    state = {k: _meta_tensor(v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]}
+                    return torch.func.functional_call(mod, state, tuple(margs), mkwargs)
+        except _Unknown:
+            return None
+        except Exception:
+            pass
+        return _first_dim_larger(value)
 
     def _compute(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "placeholder":
@@ -172,6 +257,72 @@ class ConcreteTracerMixin:
         finally:
             self._computing = False
         raise RuntimeError(f"unexpected fx node kind {kind!r}")
+
+
+class _Unknown(Exception):
+    """An input's `alt` is unknown."""
+
+
+def _reads_data_sized(args: tuple, kwargs: dict) -> bool:
+    found = []
+    map_aggregate((args, kwargs), lambda a: found.append(a) if _data_sized(a) else None)
+    return bool(found)
+
+
+def _data_sized(a: Any) -> bool:
+    return isinstance(a, ConcreteProxy) and "alt" in a.__dict__
+
+
+def _may_size_by_data(kind: str, target: Any, args: tuple, kwargs: dict) -> bool:
+    """An op that may size its output by its input's values, given a tensor argument (indexing
+    by a tensor: a boolean mask)."""
+    if kind == "call_function" and target in _DATA_SIZED_FUNCTIONS:
+        pass
+    elif not (kind == "call_method" and target in _DATA_SIZED_METHODS):
+        return False
+    if target is operator.getitem or target == "__getitem__":
+        index = _values(args[1:])
+        found = []
+        map_aggregate(index, lambda a: found.append(a) if isinstance(a, torch.Tensor) else None)
+        return bool(found) and isinstance(value_of(args[0]), torch.Tensor)
+    return True
+
+
+def _meta(obj: Any) -> Any:
+    """obj with each proxy's value as meta tensors (a data-sized one's `alt`)."""
+
+    def convert(a: Any) -> Any:
+        if _data_sized(a):
+            if a.__dict__["alt"] is None:
+                raise _Unknown
+            return a.__dict__["alt"]
+        return map_aggregate(value_of(a), _meta_tensor) if isinstance(a, ConcreteProxy) else _meta_tensor(a)
+
+    return map_aggregate(obj, convert)
+
+
+def _meta_tensor(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.device.type != "meta":
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    return a
+
+
+def _first_dim_larger(value: Any) -> Any:
+    def grow(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return torch.empty((a.shape[0] + 1, *a.shape[1:]), dtype=a.dtype, device="meta")
+        return a
+
+    return map_aggregate(value, grow)
+
+
+def _same_shapes(alt: Any, value: Any) -> bool:
+    shapes: list[list] = [[], []]
+    for k, obj in enumerate((alt, value)):
+        map_aggregate(
+            obj, lambda a, k=k: shapes[k].append(tuple(a.shape)) if isinstance(a, torch.Tensor) else None
+        )
+    return shapes[0] == shapes[1]
 
 
 def is_compiled(mod: nn.Module) -> bool:

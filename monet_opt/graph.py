@@ -40,7 +40,7 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from monet_opt import autocast_regions, autograd_functions, module_state, no_grad, random_sources
-from monet_opt.concrete_trace import ConcreteTracerMixin, is_compiled
+from monet_opt.concrete_trace import ConcreteTracerMixin, DataDependentSize, is_compiled
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
@@ -528,7 +528,9 @@ def _fix_hint(exc: BaseException, path: str | None) -> str:
             "tensors and returns tensors, e.g. `return self.model(input_ids=ids, use_cache=False).logits` "
             "(or the loss)."
         )
-    if "cannot be used as inputs to control flow" in msg:
+    if isinstance(exc, DataDependentSize):
+        pass  # (its message says what)
+    elif "cannot be used as inputs to control flow" in msg:
         hint = (
             "This is data-dependent Python control flow (an `if`/`while` on a tensor value), "
             "which a static graph cannot capture. "

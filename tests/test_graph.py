@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import warnings
@@ -579,3 +580,111 @@ def test_a_private_random_generator_is_named():
         TraceError, match=r"differs from the eager model .* torch.Generator of its own \(_OwnGenerator\)"
     ):
         trace(_OwnGenerator(), (torch.randn(4, 16),))
+
+
+class _Experts(nn.Module):
+    """Top-2 routing over 4 experts, skipping an expert no token chose (Python reads the size of
+    `torch.where`'s output)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, 4)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        weight, chosen = self.router(h).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(h[rows]) * weight[rows, slot, None])
+        return out.view(x.shape)
+
+
+class _MixtureOfExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.moe = _Experts()
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.moe(x))
+
+
+def _route_to_first_two(model: _MixtureOfExperts, on: bool) -> None:
+    with torch.no_grad():
+        model.moe.router.bias.copy_(torch.tensor([50.0, 40.0, 0.0, 0.0]) if on else torch.zeros(4))
+
+
+def test_a_size_that_depends_on_the_data_is_not_fixed_by_the_trace(monkeypatch, tmp_path):
+    """Python reading the size of `torch.where(mask)`'s output got the example's number: traced
+    while the router sent every token to experts 0 and 1, the graph skipped experts 2 and 3 for
+    good, and on other data the outputs and gradients were wrong, silently. Such a read now
+    makes its submodule a leaf (named in a warning), which runs as the model does on any data."""
+    from monet_opt.profile import build_problem
+    from monet_opt.runtime import MonetWrapper
+    from solver import baselines
+    from tests.test_runtime import assert_same_gradients
+
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, ids = _MixtureOfExperts().train(), torch.randint(0, 64, (4, 16))
+    _route_to_first_two(model, True)
+    with pytest.warns(UserWarning, match=r"'moe' \(_Experts\).*DataDependentSize.*\(\.numel\(\)\)"):
+        g = trace(model, (ids,))
+    assert g.leaf_paths == ["moe"]
+    problem = build_problem(model, (ids,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(ids,))
+    _route_to_first_two(model, False)
+    assert_same_gradients(model, wrapped, ids, "experts 2 and 3 chosen after the trace")
+
+
+class _MaskedMean(nn.Module):
+    """A boolean mask selects rows; nothing in Python reads how many (math.sqrt of a shape:
+    plain fx stops, the concrete trace runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) / math.sqrt(x.shape[-1])
+        picked = h[h[:, 0] > 0]
+        return self.b(picked).mean(0) + self.b(h).mean(0)
+
+
+def test_a_data_sized_value_no_python_reads_stays_in_the_graph():
+    """Sizes only the ops see (a boolean mask, then a mean) need no leaf: the graph computes
+    any size, and other data gives the eager model's output."""
+    torch.manual_seed(0)
+    model = _MaskedMean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        g = trace(model, (torch.randn(64, 16),))
+    assert g.leaf_paths == []
+    other = torch.randn(64, 16) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(g.gm(other), model(other))
+
+
+def test_a_data_dependent_size_read_in_the_root_forward_is_named():
+    class RootReads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            picked = h[h[:, 0] > 0]
+            return picked.sum() if len(picked) > 0 else h.sum()
+
+    with pytest.raises(
+        TraceError, match=r"size of 'getitem.*' \(len\(\)\), which depends on the input's values"
+    ):
+        trace(RootReads(), (torch.randn(16, 8),))
