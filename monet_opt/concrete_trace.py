@@ -212,21 +212,11 @@ class ConcreteTracerMixin:
         the others); where the op cannot run on meta (its size comes from the data: nonzero, a
         boolean mask), the value with its first dimension one larger; None if neither."""
         try:
-            margs, mkwargs = _meta(args), _meta(kwargs)
-            with torch.no_grad():
-                if kind == "call_function":
-                    return target(*margs, **mkwargs)
-                if kind == "call_method":
-                    return getattr(margs[0], target)(*margs[1:], **mkwargs)
-                if kind == "call_module":
-                    mod = self.root.get_submodule(target)
-                    state = {k: _meta_tensor(v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]}
-                    return torch.func.functional_call(mod, state, tuple(margs), mkwargs)
+            return self._run(kind, target, _meta(args), _meta(kwargs), on_meta=True)
         except _Unknown:
             return None
         except Exception:
-            pass
-        return _first_dim_larger(value)
+            return _first_dim_larger(value)
 
     def _compute(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "placeholder":
@@ -235,14 +225,21 @@ class ConcreteTracerMixin:
             if k <= len(self.example_inputs):
                 return self.example_inputs[k - 1]
             return args[0] if args else None  # an argument bound to its default
-        vals, kvals = _values(tuple(args)), _values(dict(kwargs))
-        self._computing = True
-        try:
-            if kind == "get_attr":
+        if kind == "get_attr":
+            self._computing = True  # (the attribute itself, not a proxy of it)
+            try:
                 obj: Any = self.root
                 for part in str(target).split("."):
                     obj = getattr(obj, part)
                 return obj
+            finally:
+                self._computing = False
+        return self._run(kind, target, _values(tuple(args)), _values(dict(kwargs)))
+
+    def _run(self, kind: str, target: Any, vals: tuple, kvals: dict, on_meta: bool = False) -> Any:
+        """A call node's op on these values (on_meta: a module with meta copies of its state)."""
+        self._computing = True  # (modules and attributes run as they are, not traced)
+        try:
             with torch.no_grad():
                 if kind == "call_function":
                     return target(*vals, **kvals)
@@ -253,6 +250,10 @@ class ConcreteTracerMixin:
                     # (a compiled submodule refuses to run inside fx's tracing: its value comes
                     # from the module it compiles)
                     mod = mod._orig_mod if is_compiled(mod) else mod
+                    if on_meta:
+                        state = dict(mod.named_parameters()) | dict(mod.named_buffers())
+                        meta_state = {k: _meta_tensor(v) for k, v in state.items()}
+                        return torch.func.functional_call(mod, meta_state, tuple(vals), kvals)
                     return mod(*vals, **kvals)
         finally:
             self._computing = False
