@@ -275,6 +275,10 @@ def _data_sized(a: Any) -> bool:
 
 
 def _may_size_by_data(kind: str, target: Any, args: tuple, kwargs: dict) -> bool:
+    return _candidate(kind, target, _values(tuple(args)))
+
+
+def _candidate(kind: str, target: Any, vals: tuple) -> bool:
     """An op that may size its output by its input's values, given a tensor argument (indexing
     by a tensor: a boolean mask)."""
     if kind == "call_function" and target in _DATA_SIZED_FUNCTIONS:
@@ -282,11 +286,27 @@ def _may_size_by_data(kind: str, target: Any, args: tuple, kwargs: dict) -> bool
     elif not (kind == "call_method" and target in _DATA_SIZED_METHODS):
         return False
     if target is operator.getitem or target == "__getitem__":
-        index = _values(args[1:])
         found = []
-        map_aggregate(index, lambda a: found.append(a) if isinstance(a, torch.Tensor) else None)
-        return bool(found) and isinstance(value_of(args[0]), torch.Tensor)
+        map_aggregate(vals[1:], lambda a: found.append(a) if isinstance(a, torch.Tensor) else None)
+        return bool(found) and isinstance(vals[0], torch.Tensor)
     return True
+
+
+def sized_by_data(kind: str, target: Any, vals: tuple, kvals: dict) -> bool:
+    """Whether a call node, on these input values, sizes its output by their values: one of the
+    ops that may (nonzero, a boolean mask, unique, ...), and it cannot run on meta tensors."""
+    if not _candidate(kind, target, vals):
+        return False
+    margs, mkwargs = map_aggregate(vals, _meta_tensor), map_aggregate(kvals, _meta_tensor)
+    try:
+        with torch.no_grad():
+            if kind == "call_function":
+                target(*margs, **mkwargs)
+            else:
+                getattr(margs[0], target)(*margs[1:], **mkwargs)
+    except Exception:
+        return True
+    return False
 
 
 def _meta(obj: Any) -> Any:

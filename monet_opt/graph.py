@@ -40,7 +40,7 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from monet_opt import autocast_regions, autograd_functions, module_state, no_grad, random_sources
-from monet_opt.concrete_trace import ConcreteTracerMixin, DataDependentSize, is_compiled
+from monet_opt.concrete_trace import ConcreteTracerMixin, DataDependentSize, is_compiled, sized_by_data
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
@@ -171,6 +171,9 @@ class OpGraph:
     input_dtypes: list[str] = field(default_factory=list)
     leaf_paths: list[str] = field(default_factory=list)
     model_input_bytes: int = 0
+    # nodes whose output's size the input's values decide (nonzero, a boolean mask): the memory
+    # of what follows them is the example batch's
+    data_sized: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -657,6 +660,7 @@ class _Measure(_GraphRun):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.value_keys: dict[fx.Node, set[tuple[str, int]]] = {}
         self.mutated_by: dict[tuple[str, int], fx.Node] = {}
+        self.data_sized: list[str] = []  # nodes whose output's size their input's values decide
 
     def _sid(self, key: tuple[str, int]) -> int:
         if key not in self.storage_ids:
@@ -722,6 +726,8 @@ class _Measure(_GraphRun):
 
         module = self.module.get_submodule(n.target) if n.op == "call_module" else None
         buffers_before = module_state.buffer_values(module) if module is not None else {}
+        if sized_by_data(n.op, n.target, *self.fetch_args_kwargs_from_env(n)):
+            self.data_sized.append(n.name)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(n)
         # a leaf that changes its own buffers (spectral norm): recomputed from its starting state
@@ -1059,6 +1065,7 @@ def trace(
         input_dtypes=[str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs],
         leaf_paths=sorted(leaf_paths | set(auto_leaves)),
         model_input_bytes=model_input_bytes,
+        data_sized=meter.data_sized,
     )
 
 

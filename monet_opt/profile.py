@@ -902,6 +902,18 @@ def _build_problem(
         info["bitwise"] = True  # only implementations with torch's gradients bit for bit
     if zero_pack:
         info["zero_pack"] = True  # value-dependent implementations offered (memory from the example)
+    if graph.data_sized:
+        # (a mixture of experts' tokens per expert: another batch routes them otherwise)
+        info["data_sized_nodes"] = list(graph.data_sized)
+        warnings.warn(
+            f"monet-opt: the sizes of node(s) {', '.join(graph.data_sized[:4])} (and what is computed "
+            "from them) depend on the input's values (nonzero, a boolean mask, torch.where(mask), "
+            "...): the schedule's memory model holds for this example batch; a batch that makes "
+            "them larger may need more than the budget. Solve with a batch that makes them as large "
+            "as training will",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     if recompute_overhead is None:
         recompute_overhead = 0.0
         if any(n.requires_backward for n in nodes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import subprocess
 import sys
 import warnings
@@ -668,9 +669,23 @@ def test_a_data_sized_value_no_python_reads_stays_in_the_graph():
         warnings.simplefilter("error", UserWarning)
         g = trace(model, (torch.randn(64, 16),))
     assert g.leaf_paths == []
+    masks = [n.name for n in g.gm.graph.nodes if n.op == "call_function" and n.target is operator.getitem]
+    assert g.data_sized == masks[-1:], (g.data_sized, masks)  # (h[:, 0] is not; h[mask] is)
     other = torch.randn(64, 16) * 3
     with torch.no_grad():
         torch.testing.assert_close(g.gm(other), model(other))
+
+
+def test_a_problem_with_data_sized_nodes_says_its_memory_is_the_examples(monkeypatch, tmp_path):
+    """Their memory follows the data (a mixture of experts' routing): build_problem names them
+    in a warning and in its metadata."""
+    from monet_opt.profile import build_problem
+
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"node\(s\) getitem_2 .*holds for this example batch"):
+        problem = build_problem(_MaskedMean(), (torch.randn(64, 16),), progress=False, repeats=1)
+    assert problem.meta["data_sized_nodes"] == ["getitem_2"]
 
 
 def test_a_data_dependent_size_read_in_the_root_forward_is_named():
