@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from monet_opt import autocast_regions, module_state
 from monet_opt.graph import OpGraph, trace
+from monet_opt.input_layout import layout_of
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for, shares_gradient
@@ -848,6 +849,7 @@ def _build_problem(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_shapes": [list(x.shape) for x in example_inputs],
         "input_dtypes": [str(x.dtype).removeprefix("torch.") for x in example_inputs],
+        "input_layouts": [layout_of(x) for x in example_inputs],
         # inputs by keyword: their names, and the constants given with them
         **(
             {"input_names": list(model.names), "input_constants": model.constants}

@@ -294,7 +294,10 @@ def _module_bn_state(m: nn.modules.batchnorm._BatchNorm, recompute: bool):
     if m.training and m.track_running_stats and m.num_batches_tracked is not None:
         if not recompute:
             m.num_batches_tracked.add_(1)
-        factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+        # (momentum=None, a cumulative average: on a recomputation the counter is the first
+        # computation's; profiling recomputes a fresh module's, still 0, and its copies of the
+        # statistics are dropped: any factor does)
+        factor = 1.0 / max(float(m.num_batches_tracked), 1.0) if m.momentum is None else m.momentum
     bn_training = m.training or (m.running_mean is None and m.running_var is None)
     use_stats = not m.training or m.track_running_stats
     rm = m.running_mean if use_stats else None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
-from monet_opt import autocast_regions
+from monet_opt import autocast_regions, input_layout
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
@@ -289,8 +289,12 @@ class MonetWrapper(nn.Module):
             dtypes = self.schedule.meta.get("input_dtypes") or []
             if len(dtypes) != len(shapes):
                 dtypes = ["float32"] * len(shapes)
+            layouts = self.schedule.meta.get("input_layouts") or []
+            if len(layouts) != len(shapes):
+                layouts = [input_layout.CONTIGUOUS] * len(shapes)
             example_inputs = tuple(
-                torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
+                input_layout.in_layout(torch.zeros(tuple(s), dtype=_dtype(d), device=device), f)
+                for s, d, f in zip(shapes, dtypes, layouts)
             )
         names = self.schedule.meta.get("input_names")
         if names and not isinstance(example_inputs, Mapping) and not isinstance(model, KeywordRoot):
@@ -331,6 +335,10 @@ class MonetWrapper(nn.Module):
         self._retraced: OrderedDict[tuple, ScheduleExecutor] = OrderedDict()
         self._warned_autocast = False
         self.input_dtypes = [x.dtype for x in example_inputs]
+        # the memory format each input was profiled in (what build_problem recorded, or the examples')
+        self.input_layouts = self.schedule.meta.get("input_layouts") or [
+            input_layout.layout_of(x) for x in example_inputs
+        ]
         self.executor = ScheduleExecutor(graph.gm, self.schedule)
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
         # small GPT); which need gradients is asked every step
@@ -403,6 +411,15 @@ class MonetWrapper(nn.Module):
                 f"schedule was solved for {[str(d).removeprefix('torch.') for d in self.input_dtypes]}; "
                 "convert the input (autocast changes compute dtypes, not the input's), or solve for it"
             )
+        for k, (x, solved) in enumerate(zip(inputs, self.input_layouts)):
+            now = input_layout.layout_of(x)
+            if input_layout.differs(now, solved):
+                raise InputShapeMismatch(
+                    f"input {k} is laid out {now}, the schedule was solved for {solved} inputs (its "
+                    f"memory model does not hold: other kernels and temporaries); convert it "
+                    f"({'x.contiguous()' if solved == 'contiguous' else 'x.contiguous(memory_format=torch.' + solved + ')'}) "
+                    "or solve with inputs laid out so"
+                )
         device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
         box = _SpecBox()
         # the parameters, whose gradients leave through the step's node; with the optimizer step
