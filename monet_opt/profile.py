@@ -33,9 +33,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from monet_opt import autocast_regions, module_state
+from monet_opt import autocast_regions, input_layout, module_state
 from monet_opt.graph import OpGraph, trace
-from monet_opt.input_layout import layout_of
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable, grad_output_positions
 from monet_opt.memory import mark, measure_peak, segment_peaks, track_peak
 from monet_opt.ops import implementations_for, shares_gradient
@@ -520,6 +519,7 @@ def build_problem(
         raise ValueError(f"outputs_held must be 'all' or 'loss', not {outputs_held!r}")
     # (inputs by keyword, {'input_ids': ids, 'use_cache': False}: `monet_opt.keyword_inputs`)
     model, example_inputs = as_traceable(model, example_inputs)
+    input_layout.check_solvable(example_inputs)
     if device is None:
         device = next((p.device for p in model.parameters()), example_inputs[0].device)
     device = torch.device(device)
@@ -849,7 +849,7 @@ def _build_problem(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_shapes": [list(x.shape) for x in example_inputs],
         "input_dtypes": [str(x.dtype).removeprefix("torch.") for x in example_inputs],
-        "input_layouts": [layout_of(x) for x in example_inputs],
+        "input_layouts": [input_layout.layout_of(x) for x in example_inputs],
         # inputs by keyword: their names, and the constants given with them
         **(
             {"input_names": list(model.names), "input_constants": model.constants}

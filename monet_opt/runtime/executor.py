@@ -272,16 +272,6 @@ def _resolve_target(gm: fx.GraphModule, node: fx.Node) -> Any:
     return node.target
 
 
-def _laid_out_like(g: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """g in param's layout, as the engine's AccumulateGrad would store it. Made here, at the
-    node's backward, as the profile measured it: handed to the engine laid out otherwise
-    (a convolution's weight gradient from channels_last activations), every such gradient was
-    copied at the end of the step with all of them held (resnet18 b4 32x32, channels_last
-    input: 3.6 MB over the prediction)."""
-    # (preserve_format: param's strides where it is dense, as AccumulateGrad's layout contract)
-    return torch.empty_like(param, dtype=g.dtype, device=g.device).copy_(g)
-
-
 def _node_params(gm: fx.GraphModule, node: fx.Node, target: Any) -> list[torch.Tensor]:
     params: dict[int, torch.Tensor] = {}
     if isinstance(target, torch.nn.Module):
@@ -822,8 +812,6 @@ class ScheduleExecutor:
             for param, g in zip(params, got[1:]):
                 if g is None:
                     continue
-                if g.layout is torch.strided and g.stride() != param.stride():
-                    g = _laid_out_like(g, param)
                 prev = run.param_grads.get(id(param))
                 run.param_grads[id(param)] = g if prev is None else prev.add_(g)
         else:

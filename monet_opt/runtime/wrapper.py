@@ -289,12 +289,8 @@ class MonetWrapper(nn.Module):
             dtypes = self.schedule.meta.get("input_dtypes") or []
             if len(dtypes) != len(shapes):
                 dtypes = ["float32"] * len(shapes)
-            layouts = self.schedule.meta.get("input_layouts") or []
-            if len(layouts) != len(shapes):
-                layouts = [input_layout.CONTIGUOUS] * len(shapes)
             example_inputs = tuple(
-                input_layout.in_layout(torch.zeros(tuple(s), dtype=_dtype(d), device=device), f)
-                for s, d, f in zip(shapes, dtypes, layouts)
+                torch.zeros(tuple(s), dtype=_dtype(d), device=device) for s, d in zip(shapes, dtypes)
             )
         names = self.schedule.meta.get("input_names")
         if names and not isinstance(example_inputs, Mapping) and not isinstance(model, KeywordRoot):
