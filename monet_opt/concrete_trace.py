@@ -201,7 +201,7 @@ class ConcreteTracerMixin:
         if isinstance(proxy, ConcreteProxy):
             value = self._compute(kind, target, args, kwargs)
             proxy.__dict__["value"] = value
-            if _reads_data_sized(args, kwargs) or _may_size_by_data(kind, target, args, kwargs):
+            if _reads_data_sized(args, kwargs) or _candidate(kind, target, _values(tuple(args))):
                 alt = self._alt(kind, target, args, kwargs, value)
                 if alt is None or not _same_shapes(alt, value):
                     proxy.__dict__["alt"] = alt
@@ -241,10 +241,8 @@ class ConcreteTracerMixin:
         self._computing = True  # (modules and attributes run as they are, not traced)
         try:
             with torch.no_grad():
-                if kind == "call_function":
-                    return target(*vals, **kvals)
-                if kind == "call_method":
-                    return getattr(vals[0], target)(*vals[1:], **kvals)
+                if kind in ("call_function", "call_method"):
+                    return _call_op(kind, target, vals, kvals)
                 if kind == "call_module":
                     mod: nn.Module = self.root.get_submodule(target)
                     # (a compiled submodule refuses to run inside fx's tracing: its value comes
@@ -264,6 +262,13 @@ class _Unknown(Exception):
     """An input's `alt` is unknown."""
 
 
+def _call_op(kind: str, target: Any, vals: tuple, kvals: dict) -> Any:
+    """A call_function or call_method node's op on these values."""
+    if kind == "call_function":
+        return target(*vals, **kvals)
+    return getattr(vals[0], target)(*vals[1:], **kvals)
+
+
 def _reads_data_sized(args: tuple, kwargs: dict) -> bool:
     found = []
     map_aggregate((args, kwargs), lambda a: found.append(a) if _data_sized(a) else None)
@@ -274,16 +279,17 @@ def _data_sized(a: Any) -> bool:
     return isinstance(a, ConcreteProxy) and "alt" in a.__dict__
 
 
-def _may_size_by_data(kind: str, target: Any, args: tuple, kwargs: dict) -> bool:
-    return _candidate(kind, target, _values(tuple(args)))
+def may_size_by_data(kind: str, target: Any) -> bool:
+    """An op that may size its output by its input's values (nonzero, indexing, unique, ...)."""
+    if kind == "call_function":
+        return target in _DATA_SIZED_FUNCTIONS
+    return kind == "call_method" and target in _DATA_SIZED_METHODS
 
 
 def _candidate(kind: str, target: Any, vals: tuple) -> bool:
     """An op that may size its output by its input's values, given a tensor argument (indexing
     by a tensor: a boolean mask)."""
-    if kind == "call_function" and target in _DATA_SIZED_FUNCTIONS:
-        pass
-    elif not (kind == "call_method" and target in _DATA_SIZED_METHODS):
+    if not may_size_by_data(kind, target):
         return False
     if target is operator.getitem or target == "__getitem__":
         found = []
@@ -300,10 +306,7 @@ def sized_by_data(kind: str, target: Any, vals: tuple, kvals: dict) -> bool:
     margs, mkwargs = map_aggregate(vals, _meta_tensor), map_aggregate(kvals, _meta_tensor)
     try:
         with torch.no_grad():
-            if kind == "call_function":
-                target(*margs, **mkwargs)
-            else:
-                getattr(margs[0], target)(*margs[1:], **mkwargs)
+            _call_op(kind, target, margs, mkwargs)
     except Exception:
         return True
     return False

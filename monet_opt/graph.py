@@ -40,7 +40,13 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from monet_opt import autocast_regions, autograd_functions, module_state, no_grad, random_sources
-from monet_opt.concrete_trace import ConcreteTracerMixin, DataDependentSize, is_compiled, sized_by_data
+from monet_opt.concrete_trace import (
+    ConcreteTracerMixin,
+    DataDependentSize,
+    is_compiled,
+    may_size_by_data,
+    sized_by_data,
+)
 from monet_opt.functionalize import functionalize
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
@@ -726,7 +732,9 @@ class _Measure(_GraphRun):
 
         module = self.module.get_submodule(n.target) if n.op == "call_module" else None
         buffers_before = module_state.buffer_values(module) if module is not None else {}
-        if sized_by_data(n.op, n.target, *self.fetch_args_kwargs_from_env(n)):
+        if may_size_by_data(n.op, n.target) and sized_by_data(
+            n.op, n.target, *self.fetch_args_kwargs_from_env(n)
+        ):
             self.data_sized.append(n.name)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().run_node(n)

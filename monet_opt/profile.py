@@ -377,8 +377,9 @@ def measure_node(
     # backward is state the saved-tensor hooks do not see: a custom autograd.Function keeping a
     # tensor as an attribute of ctx (`ctx.t = torch.tanh(x)`), held until its graph is freed
     # (unseen, a stack of such Functions measured 77 % over its budget)
-    unseen = max(0, left_by_forward - out_owned - sum(private.values()))
-    state_bytes = sum(private.values()) + unseen if needs_grad else 0
+    saved_private = sum(private.values())
+    unseen = max(0, left_by_forward - out_owned - saved_private)
+    state_bytes = saved_private + unseen if needs_grad else 0
     fwd_workspace = max(0, fwd_peak - out_owned - state_bytes)
     bwd_workspace = 0
     grad_passed_flat: list[int] = []

@@ -262,8 +262,6 @@ class MonetWrapper(nn.Module):
         optimizer: Any = None,
     ) -> None:
         super().__init__()
-        from monet_opt.graph import trace
-
         self.model = model
         # the model's keys, without 'model.', both ways (checkpoints interchangeable with plain's)
         self._register_state_dict_hook(_without_model_prefix)
@@ -309,8 +307,7 @@ class MonetWrapper(nn.Module):
         # fingerprint holds the nodes' dtypes): its metadata says it (`build_problem` records it),
         # no record in metadata from build_problem means none; a schedule without that metadata
         # (solver.solve's own) is traced under the caller's
-        with autocast_regions.under(self._profiled_autocast(model)):
-            graph = trace(root, example_inputs)
+        graph = self._trace(root, example_inputs)
         _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
         expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
         try:
@@ -335,7 +332,6 @@ class MonetWrapper(nn.Module):
         self.input_layouts = self.schedule.meta.get("input_layouts") or [
             input_layout.layout_of(x) for x in example_inputs
         ]
-        self.executor = ScheduleExecutor(graph.gm, self.schedule)
         # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
         # small GPT); which need gradients is asked every step
         self._all_params = list(model.parameters())
@@ -346,7 +342,21 @@ class MonetWrapper(nn.Module):
             self.steps = PerParameterSteps(
                 optimizer_factory(optimizer), named=model.named_parameters(), average_over_ranks=True
             )
-            self.executor.step_in_backward(self.steps.step)
+        self.executor = self._executor(graph)
+
+    def _trace(self, root: nn.Module, inputs: tuple) -> Any:
+        """`root` traced on `inputs` under the autocast the schedule was profiled under."""
+        from monet_opt.graph import trace
+
+        with autocast_regions.under(self._profiled_autocast(self.model)):
+            return trace(root, inputs)
+
+    def _executor(self, graph: Any) -> ScheduleExecutor:
+        """The schedule on a traced graph (its optimizer steps in the backward, if any)."""
+        executor = ScheduleExecutor(graph.gm, self.schedule)
+        if self.steps is not None:
+            executor.step_in_backward(self.steps.step)
+        return executor
 
     def forward(self, *inputs: Any, **named: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
@@ -513,7 +523,7 @@ class MonetWrapper(nn.Module):
     def _retrace(self, inputs: tuple, shapes: list[tuple[int, ...]]) -> ScheduleExecutor:
         """The schedule on the model traced at `shapes`, whose graph must be the solved one but
         for the sizes its nodes were traced with (InputShapeMismatch otherwise, naming where)."""
-        from monet_opt.graph import TraceError, graph_difference, trace
+        from monet_opt.graph import TraceError, graph_difference
 
         refused = (
             f"input shape {shapes} is smaller than the one the schedule was solved for "
@@ -522,8 +532,7 @@ class MonetWrapper(nn.Module):
         )
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         try:
-            with autocast_regions.under(self._profiled_autocast(self.model)):
-                graph = trace(self._root or self.model, inputs)
+            graph = self._trace(self._root or self.model, inputs)
         except TraceError as exc:
             raise InputShapeMismatch(
                 f"{refused} the model does not trace: {exc} Solve a schedule for this shape."
@@ -534,10 +543,7 @@ class MonetWrapper(nn.Module):
                 f"{refused} its graph differs from the solved one ({where}: shape-dependent "
                 "control flow). Solve a schedule for this shape, or pad the input to the solved shape."
             )
-        executor = ScheduleExecutor(graph.gm, self.schedule)
-        if self.steps is not None:
-            executor.step_in_backward(self.steps.step)
-        return executor
+        return self._executor(graph)
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
         """The keywords without the constants the schedule was traced with (`use_cache=False`);
