@@ -1532,6 +1532,52 @@ def test_a_deep_copy_trains_its_own_model_and_pickling_names_the_alternative(mon
         torch.save(wrapped, tmp_path / "wrapped.pt")
 
 
+def test_a_submodule_parameter_or_buffer_put_on_the_model_after_wrapping_is_what_trains(
+    monkeypatch, tmp_path
+):
+    """A head replaced after wrapping (`model.fc = nn.Linear(...)`) was not seen: the wrapper ran
+    the graph traced from the old one, silently (the new head got no gradient, the outputs were
+    the old head's); so for a parameter or buffer put on a module. The model is now traced again
+    when a slot of its modules holds another object, and the schedule runs on the new graph if
+    its fingerprint is the schedule's; a change that makes another graph (another size, a hook,
+    which makes its module one node) is refused, naming it."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)), nn.ReLU(), nn.Flatten(), nn.Linear(288, 10)
+    )
+    x = torch.randn(4, 3, 8, 8)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = _with_problem_meta(problem, baselines.checkpoint_all(problem))
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    traced = wrapped.executor
+    assert_same_gradients(model, wrapped, x, "unchanged")
+    assert wrapped.executor is traced  # nothing changed: not traced again
+    torch.manual_seed(1)
+    model[3] = nn.Linear(288, 10)
+    model[0][0].weight = nn.Parameter(torch.randn_like(model[0][0].weight) * 0.1)
+    model[0][1].running_mean = torch.full_like(model[0][1].running_mean, 0.5)
+    plain = assert_same_gradients(model, wrapped, x, "replaced")  # (every parameter has a gradient)
+    assert wrapped.executor is not traced
+    torch.testing.assert_close(model[0][1].running_mean, plain[0][1].running_mean, rtol=1e-6, atol=1e-7)
+    assert measure_step(wrapped, (x,), steps=1)[0] <= schedule.predicted_peak_bytes
+    model[3] = nn.Linear(288, 10)  # changed before a smaller batch: traced from zeros of the solved shape
+    assert_same_gradients(model, wrapped, x[:2], "replaced, a smaller batch")
+    model[3] = nn.Linear(288, 5)
+    with pytest.raises(FingerprintMismatch, match="'3' on the model changed since it was wrapped"):
+        wrapped(x)
+    model[3] = nn.Linear(288, 10)
+    calls = []
+    model[1].register_forward_hook(lambda module, args, out: calls.append(1))  # a leaf: same graph
+    wrapped(x).sum().backward()
+    assert calls
+    handle = model[0].register_forward_hook(lambda module, args, out: None)  # traced through before
+    with pytest.raises(FingerprintMismatch, match=r"'0 \(forward_hooks\)' .* register hooks before"):
+        wrapped(x)
+    handle.remove()
+    assert_same_gradients(model, wrapped, x, "hook removed")
+
+
 def test_an_input_in_another_memory_format_than_solved_is_refused(monkeypatch, tmp_path):
     """resnet18 solved for contiguous inputs and fed channels_last ones ran other kernels with
     other temporaries: 62.5 MB measured against a 48.0 MB budget, silently. The format is now

@@ -185,6 +185,10 @@ def test_parameters_after_three_steps_match_plain_training(name):
     for (n, pa), pf, pb in zip(plain.named_parameters(), fused.parameters(), ours.parameters()):
         torch.testing.assert_close(pf, pa, rtol=1e-5, atol=1e-6, msg=f"fused plain: parameter {n}")
         torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=f"monet-opt: parameter {n}")
+    # a layer replaced after wrapping: its optimizer steps hold the old parameters, refused
+    ours.fc = torch.nn.Linear(ours.fc.in_features, ours.fc.out_features)
+    with pytest.raises(RuntimeError, match="'fc' on the model changed since it was wrapped; the optimizer"):
+        wrapped(x)
 
 
 def test_budget_below_what_kept_gradients_allow_is_met():

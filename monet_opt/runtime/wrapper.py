@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from monet_opt import autocast_regions, input_layout
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
+from monet_opt.runtime.model_slots import ModelSlots
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
 from solver.schedule import FingerprintMismatch, Schedule
 
@@ -343,6 +344,9 @@ class MonetWrapper(nn.Module):
                 optimizer_factory(optimizer), named=model.named_parameters(), average_over_ranks=True
             )
         self.executor = self._executor(graph)
+        # what the graph was traced from: a submodule, parameter, buffer or hook put on the model
+        # since is followed by tracing it again (`_follow_model`)
+        self._slots = ModelSlots(model)
 
     def _trace(self, root: nn.Module, inputs: tuple) -> Any:
         """`root` traced on `inputs` under the autocast the schedule was profiled under."""
@@ -405,6 +409,9 @@ class MonetWrapper(nn.Module):
         if named:
             inputs = self._positional(inputs, named)
         shapes = [tuple(x.shape) for x in inputs]
+        changed = self._slots.changed()
+        if changed:
+            self._follow_model(changed, inputs, shapes)
         if shapes != self.input_shapes and shapes not in self._smaller_shapes:
             self._admit_smaller(inputs, shapes)
         executor = self._retraced.get(tuple(shapes), self.executor)
@@ -502,10 +509,7 @@ class MonetWrapper(nn.Module):
         from monet_opt.graph import TraceError, check_graph
 
         solved = self.input_shapes
-        smaller = len(shapes) == len(solved) and all(
-            len(a) == len(b) and all(x <= y for x, y in zip(a, b)) for a, b in zip(shapes, solved)
-        )
-        if not smaller:
+        if not self._smaller(shapes):
             raise InputShapeMismatch(
                 f"input shape {shapes} differs from the shape the schedule was solved for {solved}; "
                 "a smaller input (no dimension larger) runs this schedule, a larger one needs a "
@@ -519,6 +523,13 @@ class MonetWrapper(nn.Module):
                 evicted, _ = self._retraced.popitem(last=False)
                 self._smaller_shapes.remove(list(evicted))
         self._smaller_shapes.append(shapes)
+
+    def _smaller(self, shapes: list[tuple[int, ...]]) -> bool:
+        """Whether `shapes` are the solved input shapes with no dimension larger."""
+        solved = self.input_shapes
+        return len(shapes) == len(solved) and all(
+            len(a) == len(b) and all(x <= y for x, y in zip(a, b)) for a, b in zip(shapes, solved)
+        )
 
     def _retrace(self, inputs: tuple, shapes: list[tuple[int, ...]]) -> ScheduleExecutor:
         """The schedule on the model traced at `shapes`, whose graph must be the solved one but
@@ -544,6 +555,56 @@ class MonetWrapper(nn.Module):
                 "control flow). Solve a schedule for this shape, or pad the input to the solved shape."
             )
         return self._executor(graph)
+
+    def _follow_model(self, changed: list[str], inputs: tuple, shapes: list[tuple[int, ...]]) -> None:
+        """The model holds other submodules, parameters, buffers or hooks (`changed`) than the
+        graph was traced from (a head replaced, `model.to(device)` moving buffers): it is traced
+        again, at the solved shape (this step's inputs, or zeros of their dtypes at the solved
+        shape), and the schedule runs on the new graph if its fingerprint is still the schedule's
+        (same operations, sizes and dtypes; FingerprintMismatch otherwise, naming the change)."""
+        from monet_opt.graph import TraceError
+
+        names = ", ".join(repr(c) for c in changed[:3]) + (
+            f" ({len(changed)} in all)" if len(changed) > 3 else ""
+        )
+        what = f"{names} on the model changed since it was wrapped"
+        if self.steps is not None:
+            raise RuntimeError(
+                f"monet-opt: {what}; the optimizer steps in the backward hold the parameters it was "
+                "wrapped with: wrap the model again"
+            )
+        if shapes == self.input_shapes:
+            examples = tuple(x.detach() for x in inputs)
+        elif not self._smaller(shapes):
+            return  # refused as any larger input is (`_admit_smaller`)
+        else:
+            examples = tuple(
+                torch.zeros(s, dtype=x.dtype, device=x.device) for s, x in zip(self.input_shapes, inputs)
+            )
+        try:
+            graph = self._trace(self._root or self.model, examples)
+        except TraceError as exc:
+            raise TraceError(f"monet-opt: {what}, and tracing it again failed: {exc}") from None
+        try:
+            self.schedule.check_fingerprint(graph.fingerprint)
+        except FingerprintMismatch:
+            raise FingerprintMismatch(
+                f"monet-opt: {what}, and the model traced again is not the one the schedule was "
+                "solved for (its operations, their sizes or dtypes, or which parameters are frozen "
+                "differ): solve a schedule for it"
+                + (
+                    " (a submodule with hooks is traced as one node, so the graph changed: register "
+                    "hooks before solving)"
+                    if any(c.endswith("hooks)") for c in changed)
+                    else ""
+                )
+            ) from None
+        self.executor = self._executor(graph)
+        self._retraced.clear()
+        self._smaller_shapes.clear()
+        self._all_params = list(self.model.parameters())
+        self._solved_trainable = [p.requires_grad for p in self._all_params]
+        self._slots = ModelSlots(self.model)
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
         """The keywords without the constants the schedule was traced with (`use_cache=False`);
