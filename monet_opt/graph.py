@@ -39,7 +39,14 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from monet_opt import autocast_regions, autograd_functions, module_state, no_grad, random_sources
+from monet_opt import (
+    assigned_state,
+    autocast_regions,
+    autograd_functions,
+    module_state,
+    no_grad,
+    random_sources,
+)
 from monet_opt.concrete_trace import (
     ConcreteTracerMixin,
     DataDependentSize,
@@ -423,6 +430,7 @@ def _trace_with_leaves(
         # trace names them the same)
         own_attrs = set(vars(model))
         tracer.user_hooks = set().union(*(hook_ids(m) for m in model.modules()))
+        state = assigned_state.snapshot(model)
         try:
             # (nodes made with gradients off are the model's no_grad code; its autocast blocks
             # are followed; its custom autograd Functions stay whole; random draws from shapes
@@ -438,9 +446,12 @@ def _trace_with_leaves(
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         except TraceError:
             _drop_attrs(model, own_attrs)
+            _assigning_leaves(assigned_state.undo_proxies(state), model, auto, leaf_paths, leaf_fallback)
             raise
         except Exception as exc:
             _drop_attrs(model, own_attrs)
+            if _assigning_leaves(assigned_state.undo_proxies(state), model, auto, leaf_paths, leaf_fallback):
+                continue
             path = tracer.fail_path
             where = f"module {path!r} ({type(model.get_submodule(path)).__name__})" if path else None
             if path and leaf_fallback and path not in auto and path not in leaf_paths:
@@ -458,6 +469,8 @@ def _trace_with_leaves(
                 module_path=path or "",
             ) from exc
         _drop_attrs(model, own_attrs)
+        if _assigning_leaves(assigned_state.undo_proxies(state), model, auto, leaf_paths, leaf_fallback):
+            continue
         if tracer.hooked:
             warnings.warn(
                 f"monet_opt.trace: {len(tracer.hooked)} submodules with hooks are kept as one node "
@@ -470,6 +483,38 @@ def _trace_with_leaves(
         gm.recompile()
         return gm, auto
     raise TraceError("tracing did not converge while marking untraceable submodules as leaves")
+
+
+def _assigning_leaves(
+    assigned: dict[str, list[str]],
+    model: nn.Module,
+    auto: list[str],
+    leaf_paths: set[str],
+    leaf_fallback: bool,
+) -> bool:
+    """Modules whose forward assigned attributes from what it computed (`assigned_state`) become
+    leaves (added to `auto`, with a warning): True if any did. TraceError where one cannot (the
+    root, or with leaf_fallback off)."""
+    if not assigned:
+        return False
+    for path, names in assigned.items():
+        what = f"{', '.join(names)} in {'its' if not path else repr(path) + ' (' + type(model.get_submodule(path)).__name__ + ')'} forward"
+        if not path or not leaf_fallback or path in leaf_paths or path in auto:
+            raise TraceError(
+                f"torch.fx cannot trace an assignment to {what} (fx records operations, not "
+                "attribute assignments: the traced graph would never make it). Move that code "
+                "into a submodule of its own, which then runs eagerly as one node "
+                "(monet_opt.trace: leaf_modules=[...])",
+                module_path=path,
+            )
+        warnings.warn(
+            f"monet_opt.trace: module {path!r} ({type(model.get_submodule(path)).__name__}) assigns "
+            f"{', '.join(names)} in its forward from what it computes; fx cannot record that: it "
+            "becomes one leaf node, which runs eagerly",
+            stacklevel=5,
+        )
+        auto.append(path)
+    return True
 
 
 def _drop_attrs(model: nn.Module, keep: set[str]) -> None:

@@ -318,6 +318,27 @@ def test_untraceable_submodule_becomes_leaf():
         trace(model, x, leaf_fallback=False)
 
 
+def test_a_root_assigning_what_it_computes_is_named_and_left_as_it_was():
+    """fx records no attribute assignment: a root that keeps what it computes (`self.last = y`)
+    cannot be one node (nothing would be left to schedule): a TraceError names it, and no fx
+    Proxy is left on the model (before, one was, and the model failed later, far from it)."""
+
+    class KeepsLast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.last = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = self.lin(x)
+            return self.last.relu()
+
+    model = KeepsLast()
+    with pytest.raises(TraceError, match=r"assignment to last in its forward .* submodule of its own"):
+        trace(model, torch.randn(2, 4))
+    assert model.last is None
+
+
 def test_data_dependent_control_flow_raises_trace_error():
     model = M.DataDependent()
     with pytest.raises(TraceError) as info:

@@ -6,6 +6,7 @@ plain training, and profiling leaves the buffers as they were."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -50,6 +51,32 @@ class HookedBlocks(nn.Module):
         return x
 
 
+class _Centered(nn.Module):
+    """Subtracts a running mean it assigns (not updates in place), and keeps what it computed
+    for the training loop (an auxiliary loss's features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("running", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.training:
+            self.running = 0.9 * self.running + 0.1 * y.detach().mean(0)
+        self.features = y
+        return y - self.running
+
+
+class AssignsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.centered, self.out = nn.Linear(64, 64), _Centered(), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.centered(F.relu(self.inp(x))))) + x
+
+
 def _recomputed(schedule) -> set[str]:
     return {s.node for st in schedule.stages[1:] for s in st.steps if s.op == "compute"}
 
@@ -64,26 +91,40 @@ def _states(model: nn.Module) -> dict[str, torch.Tensor]:
         (lambda: SpectralNormed(old_style=False), "layers_0"),
         (lambda: SpectralNormed(old_style=True), "layers_0"),
         (HookedBlocks, "blocks_1"),
+        (AssignsInForward, "centered"),
     ],
-    ids=["spectral_norm", "spectral_norm_old_style", "hooked_block_with_batchnorm"],
+    ids=["spectral_norm", "spectral_norm_old_style", "hooked_block_with_batchnorm", "assigns_in_forward"],
 )
 def test_a_leaf_changing_its_buffers_is_recomputed_from_its_starting_state(
     make, stateful, monkeypatch, tmp_path
 ):
     """Recomputed from the state its first run left, a spectral-normed Linear ran another power
     iteration: its bias gradient 1.3e-4 off plain's (largest 2.3e-3), silently, and its vectors
-    moved on twice per step; a batch norm inside a hooked block updated its statistics twice."""
+    moved on twice per step; a batch norm inside a hooked block updated its statistics twice. A
+    module assigning its buffer in its forward (`self.running = ...`) left an fx Proxy in it when
+    traced (the model then failed inside monet-opt with fx's "symbolically traced variables
+    cannot be used as inputs to control flow"): it is now one node, which runs eagerly."""
     monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
     torch.manual_seed(0)
     model, x = make(), torch.randn(256, 64)
     before = _states(model)
-    problem = build_problem(model, (x,), progress=False, repeats=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        problem = build_problem(model, (x,), progress=False, repeats=1)
+    if isinstance(model, AssignsInForward):
+        assert any(
+            "'centered' (_Centered) assigns features, running in its forward" in str(w.message)
+            for w in caught
+        )
+        assert not isinstance(getattr(model.centered, "features", None), torch.fx.Proxy)
+        assert type(model.centered.running) is torch.Tensor
     for k, v in model.state_dict().items():  # profiling ran the model many times
         assert torch.equal(v, before[k]), f"profiling changed {k}"
     assert problem.meta["fixed_bytes_detail"]["buffer_states"] > 0
     schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
     assert stateful in _recomputed(schedule)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    traced = wrapped.executor
     assert wrapped.executor.plans[stateful].state  # (the trace found the buffers it changes)
     # (copied before any step: old-style spectral norm's weight is then a computed tensor, which
     # deepcopy refuses)
@@ -99,6 +140,9 @@ def test_a_leaf_changing_its_buffers_is_recomputed_from_its_starting_state(
             assert torch.equal(after[k], plain_after[k]), (
                 f"step {step}: buffer {k} differs from plain training"
             )
+    assert wrapped.executor is traced  # (a leaf's buffers assigned every step: not traced again)
+    if isinstance(model, AssignsInForward):
+        torch.testing.assert_close(model.centered.features, plain.centered.features)
 
 
 def test_buffer_values_leave_a_batch_norm_node_to_its_implementations():

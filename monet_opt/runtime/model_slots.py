@@ -16,16 +16,25 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 class ModelSlots:
-    """The objects in every slot of `model`'s modules, as they are now."""
+    """The objects in every slot of `model`'s modules, as they are now. The graph calls its
+    `leaves` (module paths) as modules, which read their own buffers and hooks when called:
+    inside a leaf only submodules and parameters are followed (the executor lists a leaf's
+    parameters once; a leaf that assigns its buffers in its forward changes them every step)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, leaves: set[str]) -> None:
         self._slots = []  # (where, the slot's dict, its key, the object in it)
         self._hooks = []  # (where, a hook dict, how many hooks it held)
         for name, module in model.named_modules():
+            inside = any(name == leaf or name.startswith(leaf + ".") for leaf in leaves)
             prefix = f"{name}." if name else ""
-            for slots in (module._modules, module._parameters, module._buffers):
+            kinds = (
+                (module._modules, module._parameters)
+                if inside
+                else (module._modules, module._parameters, module._buffers)
+            )
+            for slots in kinds:
                 self._slots.extend((prefix + key, slots, key, value) for key, value in slots.items())
-            for kind in _HOOKS:
+            for kind in () if inside else _HOOKS:
                 hooks = getattr(module, kind, None)
                 if hooks is not None:
                     self._hooks.append((f"{name or 'the model'} ({kind.strip('_')})", hooks, len(hooks)))

@@ -346,7 +346,15 @@ class MonetWrapper(nn.Module):
         self.executor = self._executor(graph)
         # what the graph was traced from: a submodule, parameter, buffer or hook put on the model
         # since is followed by tracing it again (`_follow_model`)
-        self._slots = ModelSlots(model)
+        self._slots = self._model_slots()
+
+    def _model_slots(self) -> ModelSlots:
+        """The model's slots, those inside the modules its graph calls whole left out."""
+        prefix = "model." if self._root is not None else ""  # (the root holds the model as .model)
+        leaves = {
+            str(n.target).removeprefix(prefix) for n in self.executor.gm.graph.nodes if n.op == "call_module"
+        }
+        return ModelSlots(self.model, leaves)
 
     def _trace(self, root: nn.Module, inputs: tuple) -> Any:
         """`root` traced on `inputs` under the autocast the schedule was profiled under."""
@@ -604,7 +612,7 @@ class MonetWrapper(nn.Module):
         self._smaller_shapes.clear()
         self._all_params = list(self.model.parameters())
         self._solved_trainable = [p.requires_grad for p in self._all_params]
-        self._slots = ModelSlots(self.model)
+        self._slots = self._model_slots()
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
         """The keywords without the constants the schedule was traced with (`use_cache=False`);
