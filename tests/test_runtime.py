@@ -1578,6 +1578,43 @@ def test_a_submodule_parameter_or_buffer_put_on_the_model_after_wrapping_is_what
     assert_same_gradients(model, wrapped, x, "hook removed")
 
 
+class _ScriptedBlocks(nn.Module):
+    """TorchScript blocks (their modules' slots are TorchScript's own ordered dicts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            torch.jit.script(nn.Sequential(nn.Linear(32, 32), nn.Tanh())) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_torchscript_submodules_train_as_one_node_each(monkeypatch, tmp_path):
+    """The wrapper's check of the model's slots failed on TorchScript submodules (their slots are
+    not dicts: AttributeError at the first step)."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = _ScriptedBlocks(), torch.randn(8, 32)
+    torch.manual_seed(0)
+    plain = _ScriptedBlocks()  # (deepcopy does not copy a TorchScript module's parameters as leaves)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    assert [n.name for n in problem.nodes if n.name.startswith("blocks")] == [
+        "blocks_0",
+        "blocks_1",
+        "blocks_2",
+    ]
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
+    expected, got = grads_after_step(plain, plain, x), grads_after_step(wrapped, model, x)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert_grads_close(got[key], expected[key], f"grad of {key}")
+
+
 def test_an_input_in_another_memory_format_than_solved_is_refused(monkeypatch, tmp_path):
     """resnet18 solved for contiguous inputs and fed channels_last ones ran other kernels with
     other temporaries: 62.5 MB measured against a 48.0 MB budget, silently. The format is now

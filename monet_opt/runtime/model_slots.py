@@ -33,6 +33,8 @@ class ModelSlots:
                 else (module._modules, module._parameters, module._buffers)
             )
             for slots in kinds:
+                if not isinstance(slots, dict):
+                    continue  # (a TorchScript module's slots, fixed when it was scripted)
                 self._slots.extend((prefix + key, slots, key, value) for key, value in slots.items())
             for kind in () if inside else _HOOKS:
                 hooks = getattr(module, kind, None)
