@@ -46,6 +46,7 @@ from monet_opt import (
     module_state,
     no_grad,
     random_sources,
+    root_hooks,
 )
 from monet_opt.concrete_trace import (
     ConcreteTracerMixin,
@@ -55,7 +56,7 @@ from monet_opt.concrete_trace import (
     sized_by_data,
 )
 from monet_opt.functionalize import functionalize
-from monet_opt.keyword_inputs import as_traceable
+from monet_opt.keyword_inputs import as_traceable, user_model
 from monet_opt.no_grad import NO_GRAD, detach_no_grad_values, made_without_grad
 from monet_opt.ops.common import mutable
 
@@ -1013,10 +1014,24 @@ def trace(
         output differs (same RNG state for both; buffers restored afterwards).
 
     The model is run once (twice with `check`) in its current mode (train/eval);
-    its buffers and the global RNG state are left as they were.
+    its buffers and the global RNG state are left as they were. Hooks on the model itself are
+    not part of the graph, and are off while it runs here (`monet_opt.root_hooks`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, not {type(model).__name__}")
+    with root_hooks.off(user_model(model)):
+        return _trace(model, example_inputs, leaf_modules, leaf_fallback, check, rtol, atol)
+
+
+def _trace(
+    model: nn.Module,
+    example_inputs: Any,
+    leaf_modules: Iterable[str | type[nn.Module]],
+    leaf_fallback: bool,
+    check: bool,
+    rtol: float,
+    atol: float,
+) -> OpGraph:
     # inputs by keyword ({'input_ids': ids, 'use_cache': False}): traced through a root taking
     # them positionally, under their names (`monet_opt.keyword_inputs`)
     model, inputs = as_traceable(model, example_inputs)
@@ -1132,7 +1147,11 @@ def check_graph(
     buffers = module_state.saved_buffers(model)
     graph_run = _GraphRun(gm)
     try:
-        with torch.random.fork_rng(devices=_rng_devices(inputs)), torch.no_grad():
+        with (
+            torch.random.fork_rng(devices=_rng_devices(inputs)),
+            torch.no_grad(),
+            root_hooks.off(user_model(model)),
+        ):
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
             torch.manual_seed(seed)
             try:

@@ -140,6 +140,11 @@ def keyword_root(model: nn.Module, names: list[str], constants: dict[str, Any]) 
     return root
 
 
+def user_model(root: nn.Module) -> nn.Module:
+    """The user's model inside a root made here (`as_traceable`), or `root` itself."""
+    return root.model if isinstance(root, (KeywordRoot, StructuredRoot)) else root
+
+
 def as_traceable(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tuple]:
     """(module to trace, its positional inputs). A mapping of example inputs (keyword -> tensor,
     or keyword -> constant: a dict, or a tokenizer's BatchEncoding) gives a `KeywordRoot`; a

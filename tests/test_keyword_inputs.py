@@ -14,6 +14,7 @@ from monet_opt.keyword_inputs import as_traceable, loss_positions
 from monet_opt.pipeline import solve_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
+from solver import baselines
 from tests.test_runtime import LOSS_SCALARS, assert_grads_close, budget_at
 
 
@@ -168,3 +169,53 @@ def test_positional_inputs_holding_containers_trace_solve_and_train(make, inputs
             MonetWrapper(
                 model, solve_model(model, (example,), 1.0, time_limit=5, verbose=False, problem=problem)[1]
             )
+
+
+def test_hooks_on_the_model_itself_run_around_the_step_as_in_plain_pytorch(monkeypatch, tmp_path):
+    """Hooks on the model itself (not on a submodule) are outside fx's trace of its forward: the
+    trace's check compared the graph with the hooked model and refused it ("differs from the eager
+    model"). They now run around the wrapped step as `model(...)` runs them around its forward:
+    a pre-hook changing a keyword input, a forward hook changing the output, a full backward hook
+    (on a model returning a tensor: torch calls none for a dict)."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    x, mask = torch.randn(64, 64), (torch.rand(64, 256) > 0.3).float()
+    calls = []
+    nets = {}
+    for tag in ("wrapped", "plain"):
+        torch.manual_seed(0)
+        nets[tag] = two_heads, chain = (
+            TwoHeads(),
+            nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)),
+        )
+        two_heads.register_forward_pre_hook(
+            lambda mod, args, kw: (args, {**kw, "x": kw["x"] * 2}), with_kwargs=True
+        )
+        two_heads.register_forward_hook(
+            lambda mod, args, out, tag=tag: calls.append(tag) or {**out, "b": out["b"] + 1}
+        )
+        chain.register_full_backward_hook(lambda mod, grad_in, grad_out, tag=tag: calls.append(tag))
+    inputs = {"x": x, "mask": mask}
+    wrapped = {}
+    for model, example in zip(nets["wrapped"], (inputs, (x,))):
+        problem = build_problem(model, example, progress=False, repeats=1)
+        wrapped[model] = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=example)
+    assert len(nets["wrapped"][0]._forward_hooks) == 1  # (put back after tracing)
+    for step in range(2):  # (the second with the hooks' count unchanged: not traced again)
+        model, plain = nets["wrapped"][0], nets["plain"][0]
+        out, expected = wrapped[model](x=x, mask=mask), plain(x=x, mask=mask)
+        for k in expected:
+            torch.testing.assert_close(out[k], expected[k], rtol=1e-6, atol=1e-6)
+        (out["a"].square().sum() + out["b"].sum()).backward()
+        (expected["a"].square().sum() + expected["b"].sum()).backward()
+        model, plain = nets["wrapped"][1], nets["plain"][1]
+        with pytest.warns(UserWarning, match="Full backward hook"):  # (no input requires grad)
+            wrapped[model](x).square().sum().backward()
+            plain(x).square().sum().backward()
+        for tag in ("wrapped", "plain"):
+            assert calls.count(tag) == 2 * (step + 1)
+        for model, plain in zip(nets["wrapped"], nets["plain"]):
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                assert_grads_close(p.grad, q.grad, f"step {step}: grad of {name}")
+            zero_grad(model)
+            zero_grad(plain)

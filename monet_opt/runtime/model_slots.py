@@ -36,7 +36,7 @@ class ModelSlots:
                 if not isinstance(slots, dict):
                     continue  # (a TorchScript module's slots, fixed when it was scripted)
                 self._slots.extend((prefix + key, slots, key, value) for key, value in slots.items())
-            for kind in () if inside else _HOOKS:
+            for kind in () if inside or not name else _HOOKS:  # (the model's own: run by the wrapper)
                 hooks = getattr(module, kind, None)
                 if hooks is not None:
                     self._hooks.append((f"{name or 'the model'} ({kind.strip('_')})", hooks, len(hooks)))

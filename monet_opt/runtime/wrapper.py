@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_unflatten
 
-from monet_opt import autocast_regions, input_layout
+from monet_opt import autocast_regions, input_layout, root_hooks
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.runtime.model_slots import ModelSlots
@@ -381,9 +381,16 @@ class MonetWrapper(nn.Module):
             # wrong, silently). (Compiling, dynamo is imported: no start-up cost otherwise.)
             import torch._dynamo as dynamo
 
-            return dynamo.disable(self._training_step, reason="monet-opt runs its schedule eagerly")(
+            return dynamo.disable(self._hooked_step, reason="monet-opt runs its schedule eagerly")(
                 inputs, named
             )
+        return self._hooked_step(inputs, named)
+
+    def _hooked_step(self, inputs: tuple, named: dict[str, Any]) -> Any:
+        """The training step, inside the hooks registered on the model itself if it has any
+        (the graph is of its forward: `monet_opt.root_hooks`)."""
+        if root_hooks.any_on(self.model):
+            return root_hooks.through(self.model, lambda *a, **k: self._training_step(a, k), inputs, named)
         return self._training_step(inputs, named)
 
     def __getstate__(self) -> dict:
