@@ -188,6 +188,8 @@ class OpGraph:
     # nodes whose output's size the input's values decide (nonzero, a boolean mask): the memory
     # of what follows them is the example batch's
     data_sized: list[str] = field(default_factory=list)
+    # the fingerprint without the constants the nodes hold (`_fingerprint`)
+    structure: str = ""
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -459,7 +461,7 @@ def _trace_with_leaves(
                 warnings.warn(
                     f"monet_opt.trace: {where} cannot be traced by torch.fx "
                     f"({type(exc).__name__}: {_first_line(exc)}); it becomes one leaf node",
-                    stacklevel=4,
+                    stacklevel=5,
                 )
                 auto.append(path)
                 continue
@@ -478,7 +480,7 @@ def _trace_with_leaves(
                 f"each, so that their hooks run in training ({', '.join(tracer.hooked[:6])}); they "
                 "also run while monet-opt traces and profiles the model, and again where a schedule "
                 "recomputes the module",
-                stacklevel=4,
+                stacklevel=5,
             )
         _drop_default_guards(gm.graph, n_inputs)
         gm.recompile()
@@ -512,7 +514,7 @@ def _assigning_leaves(
             f"monet_opt.trace: module {path!r} ({type(model.get_submodule(path)).__name__}) assigns "
             f"{', '.join(names)} in its forward from what it computes; fx cannot record that: it "
             "becomes one leaf node, which runs eagerly",
-            stacklevel=5,
+            stacklevel=6,
         )
         auto.append(path)
     return True
@@ -966,17 +968,32 @@ def _module_config(mod: nn.Module) -> Any:
         return type(mod).__name__
 
 
-def _fingerprint(gm: fx.GraphModule, nodes: list[OpNode], inputs: tuple, training: bool) -> str:
+def _fingerprint(
+    gm: fx.GraphModule, nodes: list[OpNode], inputs: tuple, training: bool, constants: bool = True
+) -> str:
+    """A hash of the graph: its nodes, their arguments, the sizes and dtypes of their outputs,
+    the model's inputs, which parameters are frozen. Without `constants`, a node's arguments are
+    the nodes it reads only, and a called module's configuration is left out, but the sizes of
+    the tensors the graph fetches are in: the graph's structure, on which a schedule's memory and
+    time do not depend on the constants (a temperature, a dropout rate)."""
     items: list[Any] = [
-        "monet-opt graph v1",
+        "monet-opt graph v1" if constants else "monet-opt graph structure v1",
         {"training": training},
         [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else _jsonable(t) for t in inputs],
     ]
     by_name = {n.name: n for n in nodes}
     for fn in gm.graph.nodes:
-        entry: list[Any] = [fn.op, fn.name, _target_str(fn), _jsonable(fn.args), _jsonable(fn.kwargs)]
+        if constants:
+            entry: list[Any] = [fn.op, fn.name, _target_str(fn), _jsonable(fn.args), _jsonable(fn.kwargs)]
+        else:
+            entry = [fn.op, fn.name, _target_str(fn), [a.name for a in fn.all_input_nodes]]
+        if fn.op == "get_attr" and not constants:
+            value = operator.attrgetter(str(fn.target))(gm)
+            if isinstance(value, torch.Tensor):
+                entry.append([list(value.shape), str(value.dtype)])
         if fn.op == "call_module":
-            entry.append(_module_config(gm.get_submodule(fn.target)))
+            if constants:
+                entry.append(_module_config(gm.get_submodule(fn.target)))
             entry.append(
                 [[k, list(p.shape), str(p.dtype)] for k, p in gm.get_submodule(fn.target).named_parameters()]
             )
@@ -1128,6 +1145,7 @@ def _trace(
         nodes=nodes,
         graph=g,
         fingerprint=_fingerprint(gm, nodes, inputs, model.training),
+        structure=_fingerprint(gm, nodes, inputs, model.training, constants=False),
         input_shapes=[tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in inputs],
         output_names=output_names,
         input_dtypes=[str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs],

@@ -1534,6 +1534,7 @@ def test_a_deep_copy_trains_its_own_model_and_pickling_names_the_alternative(mon
         torch.save(wrapped, tmp_path / "wrapped.pt")
 
 
+@pytest.mark.filterwarnings("ignore:monet-opt.*traced it again")
 def test_a_submodule_parameter_or_buffer_put_on_the_model_after_wrapping_is_what_trains(
     monkeypatch, tmp_path
 ):
@@ -1578,6 +1579,45 @@ def test_a_submodule_parameter_or_buffer_put_on_the_model_after_wrapping_is_what
         wrapped(x)
     handle.remove()
     assert_same_gradients(model, wrapped, x, "hook removed")
+
+
+class _Annealed(nn.Module):
+    """Reads a Python number (a temperature the training loop anneals) and its train flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.tau = nn.Linear(16, 16), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) / self.tau
+        if self.training:
+            h = h + 0.1
+        return torch.softmax(h, -1)
+
+
+def test_a_python_value_changed_on_a_traced_module_is_followed(monkeypatch, tmp_path):
+    """fx makes the Python values a forward reads constants of its graph: a temperature annealed
+    after wrapping (`block.tau = 0.25`) was silently not seen (outputs and gradients those of
+    the old value). Changed values are now noticed before the step; the model is traced again
+    (warned: a value changed every step is better a buffer) and runs with the schedule if its
+    graph differs in those constants only; a module put in eval mode, whose code then makes
+    another graph, is refused, naming it."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Annealed(), nn.Linear(16, 4)), torch.randn(4, 16)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(
+        model, _with_problem_meta(problem, baselines.checkpoint_all(problem)), example_inputs=(x,)
+    )
+    model[0].tau = 0.25
+    with pytest.warns(
+        RuntimeWarning, match=r"'0.tau' on the model changed since it was wrapped: traced it again"
+    ):
+        assert_same_gradients(model, wrapped, x, "annealed")
+    assert_same_gradients(model, wrapped, x, "annealed, next step")  # (not traced again: no warning)
+    model[0].eval()
+    with pytest.raises(FingerprintMismatch, match=r"'0.training' .* set the modes before solving"):
+        wrapped(x)
 
 
 class _ScriptedBlocks(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -344,6 +345,7 @@ class MonetWrapper(nn.Module):
                 optimizer_factory(optimizer), named=model.named_parameters(), average_over_ranks=True
             )
         self.executor = self._executor(graph)
+        self._structure = graph.structure  # (a graph traced again may differ in its constants only)
         # what the graph was traced from: a submodule, parameter, buffer or hook put on the model
         # since is followed by tracing it again (`_follow_model`)
         self._slots = self._model_slots()
@@ -575,8 +577,11 @@ class MonetWrapper(nn.Module):
         """The model holds other submodules, parameters, buffers or hooks (`changed`) than the
         graph was traced from (a head replaced, `model.to(device)` moving buffers): it is traced
         again, at the solved shape (this step's inputs, or zeros of their dtypes at the solved
-        shape), and the schedule runs on the new graph if its fingerprint is still the schedule's
-        (same operations, sizes and dtypes; FingerprintMismatch otherwise, naming the change)."""
+        shape), and the schedule runs on the new graph if it has the solved graph's structure:
+        its nodes, data flow, sizes and dtypes (the constants in it may differ: a temperature
+        annealed, a rate changed; `graph._fingerprint`); FingerprintMismatch otherwise, naming
+        the change. Traced again, it is said in a warning (a value changed every step is better
+        kept in a buffer, which the graph reads when it runs)."""
         from monet_opt.graph import TraceError
 
         names = ", ".join(repr(c) for c in changed[:3]) + (
@@ -596,13 +601,12 @@ class MonetWrapper(nn.Module):
             examples = tuple(
                 torch.zeros(s, dtype=x.dtype, device=x.device) for s, x in zip(self.input_shapes, inputs)
             )
+        start = time.perf_counter()
         try:
             graph = self._trace(self._root or self.model, examples)
         except TraceError as exc:
             raise TraceError(f"monet-opt: {what}, and tracing it again failed: {exc}") from None
-        try:
-            self.schedule.check_fingerprint(graph.fingerprint)
-        except FingerprintMismatch:
+        if graph.structure != self._structure:
             raise FingerprintMismatch(
                 f"monet-opt: {what}, and the model traced again is not the one the schedule was "
                 "solved for (its operations, their sizes or dtypes, or which parameters are frozen "
@@ -611,9 +615,19 @@ class MonetWrapper(nn.Module):
                     " (a submodule with hooks is traced as one node, so the graph changed: register "
                     "hooks before solving)"
                     if any(c.endswith("hooks)") for c in changed)
+                    else " (a module traced through in another train/eval mode runs other code: set "
+                    "the modes before solving)"
+                    if any(c.endswith(".training") for c in changed)
                     else ""
                 )
-            ) from None
+            )
+        warnings.warn(
+            f"monet-opt: {what}: traced it again ({time.perf_counter() - start:.2f} s), the schedule "
+            "runs on the new graph (a value changed every step is better kept in a tensor buffer, "
+            "which the graph reads as it runs, than traced again each time)",
+            RuntimeWarning,
+            stacklevel=7,  # (the caller of wrapped(...))
+        )
         self.executor = self._executor(graph)
         self._retraced.clear()
         self._smaller_shapes.clear()
