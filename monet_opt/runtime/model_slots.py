@@ -32,7 +32,8 @@ class ModelSlots:
         self._hooks = []  # (where, a hook dict, how many hooks it held)
         self._values = []  # (where, a module's __dict__, the key, the value it held)
         for name, module in model.named_modules():
-            inside = any(name == leaf or name.startswith(leaf + ".") for leaf in leaves)
+            parts = name.split(".")
+            inside = any(".".join(parts[: k + 1]) in leaves for k in range(len(parts)))  # (in a leaf, or one)
             prefix = f"{name}." if name else ""
             kinds = (
                 (module._modules, module._parameters)
@@ -49,7 +50,7 @@ class ModelSlots:
             for kind in () if inside or not name else _HOOKS:  # (the model's own: run by the wrapper)
                 hooks = getattr(module, kind, None)
                 if hooks is not None:
-                    self._hooks.append((f"{name or 'the model'} ({kind.strip('_')})", hooks, len(hooks)))
+                    self._hooks.append((f"{name} ({kind.strip('_')})", hooks, len(hooks)))
 
     def changed(self) -> list[str]:
         """The slots holding another object than when recorded, the modules whose hooks changed
