@@ -31,7 +31,7 @@ MODELS = {
     "vit_b_16": (models.vit, {"batch": 2, "size": 32}),
     "gpt": (models.gpt, {"batch": 8, "seq": 128, "n_embd": 128, "vocab_size": 512}),
 }
-TIME_LIMIT = 4.0  # (the runtime is under test, not the solver: any fitting schedule does)
+TIME_LIMIT = 2.0  # (the runtime is under test, not the solver: any fitting schedule does)
 DATA = Path(__file__).parent / "data"
 LOSS_SCALARS = 256  # bytes
 
