@@ -501,19 +501,18 @@ def _assigning_leaves(
     if not assigned:
         return False
     for path, names in assigned.items():
-        what = f"{', '.join(names)} in {'its' if not path else repr(path) + ' (' + type(model.get_submodule(path)).__name__ + ')'} forward"
+        owner = f"{path!r} ({type(model.get_submodule(path)).__name__})" if path else "its"
         if not path or not leaf_fallback or path in leaf_paths or path in auto:
             raise TraceError(
-                f"torch.fx cannot trace an assignment to {what} (fx records operations, not "
-                "attribute assignments: the traced graph would never make it). Move that code "
-                "into a submodule of its own, which then runs eagerly as one node "
-                "(monet_opt.trace: leaf_modules=[...])",
+                f"torch.fx cannot trace an assignment to {', '.join(names)} in {owner} forward "
+                "(fx records operations, not attribute assignments: the traced graph would never "
+                "make it). Move that code into a submodule of its own, which then runs eagerly as "
+                "one node (monet_opt.trace: leaf_modules=[...])",
                 module_path=path,
             )
         warnings.warn(
-            f"monet_opt.trace: module {path!r} ({type(model.get_submodule(path)).__name__}) assigns "
-            f"{', '.join(names)} in its forward from what it computes; fx cannot record that: it "
-            "becomes one leaf node, which runs eagerly",
+            f"monet_opt.trace: module {owner} assigns {', '.join(names)} in its forward from what "
+            "it computes; fx cannot record that: it becomes one leaf node, which runs eagerly",
             stacklevel=6,
         )
         auto.append(path)
