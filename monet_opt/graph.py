@@ -972,9 +972,9 @@ def _fingerprint(
 ) -> str:
     """A hash of the graph: its nodes, their arguments, the sizes and dtypes of their outputs,
     the model's inputs, which parameters are frozen. Without `constants`, a node's arguments are
-    the nodes it reads only, and a called module's configuration is left out, but the sizes of
-    the tensors the graph fetches are in: the graph's structure, on which a schedule's memory and
-    time do not depend on the constants (a temperature, a dropout rate)."""
+    the nodes it reads only, a called module's configuration and the frozen parameters are left
+    out, but the sizes of the tensors the graph fetches are in: the graph's structure, on which a
+    schedule's memory and time do not depend on the constants (a temperature, a dropout rate)."""
     items: list[Any] = [
         "monet-opt graph v1" if constants else "monet-opt graph structure v1",
         {"training": training},
@@ -1002,9 +1002,10 @@ def _fingerprint(
             entry.append(on.dtypes)
         items.append(entry)
     # which parameters are frozen decides which nodes need a backward and which gradients the
-    # step makes (said only when some are: fingerprints of fully trainable models stay as they were)
+    # step makes (said only when some are: fingerprints of fully trainable models stay as they
+    # were); the structure leaves it to the wrapper, which follows it by parameter name
     frozen = [name for name, p in gm.named_parameters() if not p.requires_grad]
-    if frozen:
+    if frozen and constants:
         items.append({"frozen": frozen})
     blob = json.dumps(items, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

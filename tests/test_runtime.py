@@ -1579,6 +1579,10 @@ def test_a_submodule_parameter_or_buffer_put_on_the_model_after_wrapping_is_what
         wrapped(x)
     handle.remove()
     assert_same_gradients(model, wrapped, x, "hook removed")
+    model[0][0].requires_grad_(False)  # frozen after wrapping (fine-tuning), then a new head
+    model[3] = nn.Linear(288, 10)
+    assert_same_gradients(model, wrapped, x, "frozen, then a new head")
+    assert model[0][0].weight.grad is None
 
 
 class _Annealed(nn.Module):

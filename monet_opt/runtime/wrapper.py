@@ -339,6 +339,7 @@ class MonetWrapper(nn.Module):
         self._all_params = list(model.parameters())
         # those the schedule was solved to train (the fingerprint says which are frozen)
         self._solved_trainable = [p.requires_grad for p in self._all_params]
+        self._solved_frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         self.steps = None
         if optimizer is not None:
             self.steps = PerParameterSteps(
@@ -609,8 +610,8 @@ class MonetWrapper(nn.Module):
         if graph.structure != self._structure:
             raise FingerprintMismatch(
                 f"monet-opt: {what}, and the model traced again is not the one the schedule was "
-                "solved for (its operations, their sizes or dtypes, or which parameters are frozen "
-                "differ): solve a schedule for it"
+                "solved for (its operations, their data flow, sizes or dtypes differ): solve a "
+                "schedule for it"
                 + (
                     " (a submodule with hooks is traced as one node, so the graph changed: register "
                     "hooks before solving)"
@@ -632,7 +633,10 @@ class MonetWrapper(nn.Module):
         self._retraced.clear()
         self._smaller_shapes.clear()
         self._all_params = list(self.model.parameters())
-        self._solved_trainable = [p.requires_grad for p in self._all_params]
+        # (by name: a parameter put where a frozen one was solved gets no gradient either)
+        self._solved_trainable = [
+            name not in self._solved_frozen for name, _ in self.model.named_parameters()
+        ]
         self._slots = self._model_slots()
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
