@@ -1619,6 +1619,10 @@ def test_a_python_value_changed_on_a_traced_module_is_followed(monkeypatch, tmp_
     ):
         assert_same_gradients(model, wrapped, x, "annealed")
     assert_same_gradients(model, wrapped, x, "annealed, next step")  # (not traced again: no warning)
+    model[0].forward = lambda x: torch.softmax(model[0].lin(x), -1)  # (another graph)
+    with pytest.raises(FingerprintMismatch, match=r"'0.forward' on the model changed"):
+        wrapped(x)
+    del model[0].forward
     model[0].eval()
     with pytest.raises(FingerprintMismatch, match=r"'0.training' .* set the modes before solving"):
         wrapped(x)

@@ -5,11 +5,11 @@ A wrapper runs the graph traced from the model as it was when wrapped: the graph
 submodules and tensors it found then, and the Python values its code read then are constants in
 it. A submodule, parameter or buffer put on the model since (`model.fc = nn.Linear(...)`,
 `model.fc.weight = nn.Parameter(...)`, `model.to(device)` moving buffers), a module hook
-registered since, or a number, string or flag changed on a module the trace went through (a
-temperature annealed, `block.drop_prob = 0.2`, `block.eval()`) would not be seen by that graph,
-silently: the wrapper asks `ModelSlots.changed()` before each step (14 us ResNet-18, 30 us ResNet-50)
-and traces the model again when it names something. (Modules the graph calls whole read their
-own values when called.)
+registered since, or a number, string, flag or forward changed on a module the trace went
+through (a temperature annealed, `block.drop_prob = 0.2`, `block.eval()`, `block.forward = f`)
+would not be seen by that graph, silently: the wrapper asks `ModelSlots.changed()` before each
+step (14 us ResNet-18, 30 us ResNet-50) and traces the model again when it names something.
+(Modules the graph calls whole read their own values when called.)
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class ModelSlots:
             if not inside:
                 own = vars(module)
                 self._values.extend((prefix + k, own, k, v) for k, v in own.items() if type(v) in _VALUES)
+                if name:  # (a forward set on a submodule; the model's own is the wrapper's to set)
+                    self._values.append((prefix + "forward", own, "forward", own.get("forward", _MISSING)))
             for kind in () if inside or not name else _HOOKS:  # (the model's own: run by the wrapper)
                 hooks = getattr(module, kind, None)
                 if hooks is not None:
