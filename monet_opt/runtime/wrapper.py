@@ -575,12 +575,13 @@ class MonetWrapper(nn.Module):
         return self._executor(graph)
 
     def _follow_model(self, changed: list[str], inputs: tuple, shapes: list[tuple[int, ...]]) -> None:
-        """The model holds other submodules, parameters, buffers or hooks (`changed`) than the
-        graph was traced from (a head replaced, `model.to(device)` moving buffers): it is traced
+        """The model holds other submodules, parameters, buffers, hooks or Python values
+        (`changed`, `ModelSlots`) than the graph was traced from (a head replaced,
+        `model.to(device)` moving buffers, a temperature annealed): it is traced
         again, at the solved shape (this step's inputs, or zeros of their dtypes at the solved
         shape), and the schedule runs on the new graph if it has the solved graph's structure:
-        its nodes, data flow, sizes and dtypes (the constants in it may differ: a temperature
-        annealed, a rate changed; `graph._fingerprint`); FingerprintMismatch otherwise, naming
+        its nodes, data flow, sizes and dtypes (the constants in it may differ;
+        `graph._fingerprint`); FingerprintMismatch otherwise, naming
         the change. Traced again, it is said in a warning (a value changed every step is better
         kept in a buffer, which the graph reads when it runs)."""
         from monet_opt.graph import TraceError
