@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1626,6 +1627,24 @@ def test_a_python_value_changed_on_a_traced_module_is_followed(monkeypatch, tmp_
     model[0].eval()
     with pytest.raises(FingerprintMismatch, match=r"'0.training' .* set the modes before solving"):
         wrapped(x)
+
+
+def test_a_schedule_profiled_on_another_kind_of_device_is_warned_about(monkeypatch, tmp_path):
+    """A schedule solved on a CPU (as the shipped ones) wrapping a GPU model, or the other way
+    round, ran without a word, its memory model that of the other device's kernels."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)), torch.randn(4, 16)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = _with_problem_meta(problem, baselines.checkpoint_all(problem))
+    assert schedule.meta["device"].startswith("cpu:")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MonetWrapper(model, schedule, example_inputs=(x,))  # (profiled here: no warning)
+    schedule.meta["device"] = "cuda: NVIDIA A100-SXM4-80GB; torch 2.14.1+cu130"
+    with pytest.warns(
+        RuntimeWarning, match=r"profiled on 'cuda: NVIDIA A100-SXM4-80GB', the model runs on cpu"
+    ):
+        MonetWrapper(model, schedule, example_inputs=(x,))
 
 
 class _ScriptedBlocks(nn.Module):

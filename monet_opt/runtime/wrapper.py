@@ -311,6 +311,7 @@ class MonetWrapper(nn.Module):
         # (solver.solve's own) is traced under the caller's
         graph = self._trace(root, example_inputs)
         _check_step_in_backward(self.schedule, graph.fingerprint, optimizer)
+        _warn_if_profiled_elsewhere(self.schedule, example_inputs)
         expected = graph.fingerprint + (FINGERPRINT_SUFFIX if optimizer is not None else "")
         try:
             self.schedule.check_fingerprint(expected)
@@ -692,6 +693,27 @@ def _what_differs(schedule: Schedule, example_inputs: tuple, made_up: bool) -> s
             "parameters are frozen) differs"
         )
     return ""
+
+
+def _warn_if_profiled_elsewhere(schedule: Schedule, example_inputs: tuple) -> None:
+    """A warning where the schedule was profiled on another kind of device than the model runs
+    on (a schedule solved on a CPU, a GPU of another name): its memory and time model are that
+    device's kernels' (workspaces, algorithms), not this one's."""
+    recorded = schedule.meta.get("device")  # ('cuda: NVIDIA A100...; torch 2.x', profile.device_fingerprint)
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    if not isinstance(recorded, str) or device is None:
+        return
+    kind, _, name = recorded.partition(":")
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    if kind != device.type or (here is not None and not name.strip().startswith(here)):
+        warnings.warn(
+            f"monet-opt: this schedule was profiled on {recorded.split(';')[0]!r}, the model runs on "
+            f"{device.type}{': ' + here if here else ''}: its memory and time model are the other "
+            "device's kernels' (their workspaces and algorithms); solve on the device you train on "
+            "(`monet-opt solve ... --device`) for a peak that holds here",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _check_step_in_backward(schedule: Schedule, fingerprint: str, optimizer: Any) -> None:
