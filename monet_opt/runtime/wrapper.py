@@ -335,12 +335,9 @@ class MonetWrapper(nn.Module):
         self.input_layouts = self.schedule.meta.get("input_layouts") or [
             input_layout.layout_of(x) for x in example_inputs
         ]
-        # the model's parameters, listed once (walking the modules every step cost ~0.2 ms on a
-        # small GPT); which need gradients is asked every step
-        self._all_params = list(model.parameters())
-        # those the schedule was solved to train (the fingerprint says which are frozen)
-        self._solved_trainable = [p.requires_grad for p in self._all_params]
+        # the parameters the schedule was solved with frozen (the fingerprint says which), by name
         self._solved_frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        self._list_params()
         self.steps = None
         if optimizer is not None:
             self.steps = PerParameterSteps(
@@ -351,6 +348,15 @@ class MonetWrapper(nn.Module):
         # what the graph was traced from: a submodule, parameter, buffer or hook put on the model
         # since is followed by tracing it again (`_follow_model`)
         self._slots = self._model_slots()
+
+    def _list_params(self) -> None:
+        """The model's parameters, listed once per trace (walking the modules every step cost
+        ~0.2 ms on a small GPT; which need gradients is asked every step), and which of them the
+        schedule was solved to train (by name: a parameter put where a frozen one was solved gets
+        no gradient either)."""
+        named = list(self.model.named_parameters())
+        self._all_params = [p for _, p in named]
+        self._solved_trainable = [name not in self._solved_frozen for name, _ in named]
 
     def _model_slots(self) -> ModelSlots:
         """The model's slots, those inside the modules its graph calls whole left out."""
@@ -634,11 +640,7 @@ class MonetWrapper(nn.Module):
         self.executor = self._executor(graph)
         self._retraced.clear()
         self._smaller_shapes.clear()
-        self._all_params = list(self.model.parameters())
-        # (by name: a parameter put where a frozen one was solved gets no gradient either)
-        self._solved_trainable = [
-            name not in self._solved_frozen for name, _ in self.model.named_parameters()
-        ]
+        self._list_params()
         self._slots = self._model_slots()
 
     def _without_constants(self, named: dict[str, Any]) -> dict[str, Any]:
