@@ -313,7 +313,9 @@ def model_file(args) -> str:
 
 
 def model_spec(args) -> ModelSpec:
-    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+    return ModelSpec(
+        args.model, batch=args.batch, image=args.image, seq=args.seq, channels_last=args.channels_last
+    )
 
 
 def spec_meta(args) -> dict:
@@ -567,6 +569,9 @@ def parse_args(argv=None):
     ap.add_argument("--time-limit", type=float, default=60.0, help="solver time limit per budget (s)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (median)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--channels-last", action="store_true", help="model and inputs channels_last (every method)"
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument(
         "--refine",

@@ -321,6 +321,7 @@ def spec_of(schedule: Schedule):
         batch=int(meta["batch"]),
         image=int(meta.get("image", 224)),
         seq=int(meta.get("seq", 128)),
+        channels_last=bool(meta.get("channels_last", False)),
     )
 
 

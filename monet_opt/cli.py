@@ -55,6 +55,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq", type=_positive_int, default=128, help="sequence length for token models (default 128)"
     )
+    p.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="vision models: weights and input images laid out channels_last "
+        "(model.to(memory_format=torch.channels_last)), as you would train them",
+    )
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +131,9 @@ def _keep_freed_arg(p: argparse.ArgumentParser) -> None:
 def _spec(args):
     from monet_opt.zoo import ModelSpec
 
-    return ModelSpec(args.model, batch=args.batch, image=args.image, seq=args.seq)
+    return ModelSpec(
+        args.model, batch=args.batch, image=args.image, seq=args.seq, channels_last=args.channels_last
+    )
 
 
 def _device(args):

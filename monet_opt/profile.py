@@ -64,7 +64,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 14  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 15  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
@@ -74,6 +74,7 @@ CACHE_VERSION = 14  # 2: backward workspace net of memory the backward releases;
 # 12: a non-contiguous output's backward workspace also measured with a contiguous gradient
 # 13: a module's key holds its repr (children, parametrizations), not its extra_repr alone
 # 14: state the forward leaves beyond saved tensors (a custom Function's ctx attributes)
+# 15: a module's key holds its parameters' and buffers' dtypes and non-contiguous strides
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -189,6 +190,9 @@ def _signature(node: fx.Node, target: Any, args: tuple, kwargs: dict, impl: str)
         # orthogonal Linear was served a weight-normed one's measurement, whose backward is ~900 KB
         # lighter, and measured 13 % over its budget)
         what = f"{type(target).__module__}.{type(target).__name__}:{target!r} train={target.training}"
+        # (and its tensors' dtypes and layouts, which the repr does not show: a contiguous
+        # ResNet-18 was served its channels_last twin's convolutions and measured 14 % over)
+        what += json.dumps([_describe(t) for t in (*target.parameters(), *target.buffers())])
     else:
         what = f"{node.op}:{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
     text = json.dumps([what, _describe(args), _describe(kwargs), impl], default=str)
@@ -520,7 +524,7 @@ def build_problem(
         raise ValueError(f"outputs_held must be 'all' or 'loss', not {outputs_held!r}")
     # (inputs by keyword, {'input_ids': ids, 'use_cache': False}: `monet_opt.keyword_inputs`)
     model, example_inputs = as_traceable(model, example_inputs)
-    input_layout.check_solvable(example_inputs)
+    input_layout.check_solvable(model, example_inputs)
     if device is None:
         device = next((p.device for p in model.parameters()), example_inputs[0].device)
     device = torch.device(device)
@@ -851,6 +855,7 @@ def _build_problem(
         "input_shapes": [list(x.shape) for x in example_inputs],
         "input_dtypes": [str(x.dtype).removeprefix("torch.") for x in example_inputs],
         "input_layouts": [input_layout.layout_of(x) for x in example_inputs],
+        "weight_layouts": input_layout.weight_layouts(model),
         # inputs by keyword: their names, and the constants given with them
         **(
             {"input_names": list(model.names), "input_constants": model.constants}

@@ -41,14 +41,19 @@ class ModelSpec:
     batch: int
     image: int = 224
     seq: int = 128
+    # the model's weights and its input images laid out channels_last (as torch recommends for
+    # convolutions on GPUs; `monet_opt.input_layout`)
+    channels_last: bool = False
 
     def build(self) -> nn.Module:
-        return build_model(self.name, image=self.image)
+        model = build_model(self.name, image=self.image)
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def example_inputs(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         if self.name in TOKEN_MODELS:
             return (torch.randint(0, 512, (self.batch, self.seq), device=device),)
-        return (torch.randn(self.batch, 3, self.image, self.image, device=device),)
+        x = torch.randn(self.batch, 3, self.image, self.image, device=device)
+        return (x.contiguous(memory_format=torch.channels_last) if self.channels_last else x,)
 
     def meta(self) -> dict:
         """What a problem's and its schedules' metadata record of the model, so that
@@ -58,12 +63,13 @@ class ModelSpec:
             "batch": self.batch,
             "image": self.image,
             "seq": self.seq,
+            **({"channels_last": True} if self.channels_last else {}),
             "model_summary": self.describe(),
         }
 
     def describe(self) -> str:
         size = f"seq {self.seq}" if self.name in TOKEN_MODELS else f"image {self.image}x{self.image}"
-        return f"{self.name}, batch {self.batch}, {size}"
+        return f"{self.name}, batch {self.batch}, {size}{', channels_last' if self.channels_last else ''}"
 
 
 def build_model(name: str, image: int = 224) -> nn.Module:

@@ -526,3 +526,27 @@ def test_state_a_custom_function_keeps_on_ctx_is_counted(fraction, monkeypatch, 
     predicted = solver.simulate(problem, schedule).peak_bytes
     assert peak <= schedule.budget_bytes, (peak, schedule.budget_bytes)
     assert abs(peak - predicted) <= 0.05 * predicted, (peak, predicted)
+
+
+def test_a_modules_cache_key_holds_its_tensors_layouts_and_dtypes():
+    """A module's repr does not show its weights' memory format, dtype or requires_grad: a
+    contiguous ResNet-18 profiled after its channels_last twin was served the twin's convolution
+    measurements (and a frozen layer its trainable twin's, with a weight gradient). The key holds
+    them now."""
+    from monet_opt.profile import _signature
+
+    conv = nn.Conv2d(8, 8, 3)
+    x = torch.randn(2, 8, 6, 6)
+    node = torch.fx.symbolic_trace(nn.Sequential(conv)).graph.find_nodes(op="call_module")[0]
+
+    def key(module):
+        return _signature(node, module, (x,), {}, "default")
+
+    twins = [
+        conv,
+        nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last),
+        nn.Conv2d(8, 8, 3).requires_grad_(False),
+        nn.Conv2d(8, 8, 3).double(),
+    ]
+    assert key(nn.Conv2d(8, 8, 3)) == key(conv)  # (values do not matter)
+    assert len({key(m) for m in twins}) == len(twins)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -83,3 +85,19 @@ def test_timm_and_hugging_face_names_build_random_models():
     assert ids.dtype == torch.int64 and "seq 16" in spec.describe()
     with torch.no_grad():
         assert lm.eval()(ids).dim() == 0  # the loss, with the ids as labels
+
+
+def test_a_channels_last_spec_builds_and_records_a_channels_last_model():
+    """`--channels-last` (ModelSpec.channels_last): weights and inputs channels_last, recorded in
+    the metadata `monet-opt bench FILE` rebuilds the model from; a shipped (contiguous) schedule
+    does not wrap it."""
+    from monet_opt.bench import spec_of
+
+    spec = ModelSpec("resnet18", batch=2, image=32, channels_last=True)
+    model, (x,) = spec.build(), spec.example_inputs()
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.conv1.weight.is_contiguous()
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert "channels_last" in spec.describe()
+    assert spec_of(SimpleNamespace(meta=spec.meta())) == spec
+    assert spec_of(SimpleNamespace(meta=ModelSpec("resnet18", batch=2).meta())).channels_last is False

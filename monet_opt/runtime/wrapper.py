@@ -319,6 +319,7 @@ class MonetWrapper(nn.Module):
             raise FingerprintMismatch(
                 f"{exc}{_what_differs(self.schedule, example_inputs, made_up)}"
             ) from None
+        _check_weight_layouts(self.schedule, model)
         # the flat output positions the schedule's loss reads (None: every output; a model that
         # returns its loss is solved for it alone, `build_problem`'s grad_outputs)
         self.grad_outputs = self.schedule.meta.get("grad_outputs")
@@ -716,6 +717,25 @@ def _warn_if_profiled_elsewhere(schedule: Schedule, example_inputs: tuple) -> No
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _check_weight_layouts(schedule: Schedule, model: nn.Module) -> None:
+    """FingerprintMismatch where the model's convolution weights are laid out otherwise than when
+    the schedule was profiled (a model converted to channels_last since, or back): its
+    convolutions run other kernels with other temporaries. Checked when the wrapper is made
+    (`model.to(memory_format=...)` afterwards keeps the parameter objects, which the slot check
+    follows, and is not noticed)."""
+    solved = schedule.meta.get("weight_layouts")
+    if not isinstance(solved, dict):
+        return  # (a schedule from before session 45, or solver.solve's own)
+    now = input_layout.weight_layouts(model)
+    for dim, layout in now.items():
+        if dim in solved and solved[dim] != layout:
+            raise FingerprintMismatch(
+                f"the model's {dim}-dimensional weights are laid out {layout}, the schedule was solved "
+                f"for {solved[dim]} ones (its memory model does not hold: other kernels and "
+                "temporaries); convert the model back, or solve for it as it is"
+            )
 
 
 def _check_step_in_backward(schedule: Schedule, fingerprint: str, optimizer: Any) -> None:
