@@ -17,7 +17,8 @@ DIR/model_sweep_hf.md or DIR/model_sweep_tv.md. hf-loss: the same Hugging Face m
 given `{'input_ids': x, 'labels': x}` (and `use_cache=False` where the forward takes it) and
 trained on the loss they return (`tests.test_transformers_timm.check_own_loss`), to
 DIR/model_sweep_hf_loss.md; with `--outputs-held loss`, solved for and run by a loop that drops
-the output before the backward, to DIR/model_sweep_hf_loss_dropped.md.
+the output before the backward, to DIR/model_sweep_hf_loss_dropped.md. `--channels-last` (timm, torchvision): models and inputs
+channels_last, as a user training them so would (`monet_opt.input_layout`).
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ name, shape, kw = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3])
 torch.manual_seed(0)
 model = torchvision.models.get_model(name, weights=None, num_classes=10, **kw).train()
 x = torch.randn(*shape)
+if sys.argv[-1] == "channels_last":  # (--channels-last: model and input, 3-d for video)
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    model, x = model.to(memory_format=fmt), x.contiguous(memory_format=fmt)
 T._check(model, x, 0.4, name, example_inputs=(x,))
 """
 
@@ -204,6 +208,9 @@ if bitwise:
 torch.manual_seed(0)
 model = timm.create_model(name, pretrained=False, num_classes=10, **kw).train()
 x = torch.randn(2, 3, size, size)
+if sys.argv[-1] == "channels_last":  # (--channels-last: model and input, 3-d for video)
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    model, x = model.to(memory_format=fmt), x.contiguous(memory_format=fmt)
 T._check(model, x, 0.4, name, example_inputs=(x,))
 """
 
@@ -228,20 +235,29 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="timm names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per model")
     ap.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="timm, torchvision: model and input channels_last (channels_last_3d for video), "
+        "to DIR/model_sweep[_tv]_channels_last.md",
+    )
+    ap.add_argument(
         "--outputs-held",
         choices=("all", "loss"),
         default="all",
         help="hf-loss: 'loss' solves for, and runs, a loop that drops the output before the backward",
     )
     args = ap.parse_args(argv)
+    if args.channels_last and args.family not in ("timm", "torchvision"):
+        ap.error("--channels-last is for the image families (timm, torchvision)")
+    layout = ["channels_last" if args.channels_last else "contiguous"]
     if args.family == "timm":
         runs = [
-            (name, str(size), [ONE, name, str(size), repr(kw), "1" if bitwise else "0"], kw, bitwise)
+            (name, str(size), [ONE, name, str(size), repr(kw), "1" if bitwise else "0", *layout], kw, bitwise)
             for name, size, kw, bitwise in MODELS
         ]
     elif args.family == "torchvision":
         runs = [
-            (name, "x".join(map(str, shape)), [ONE_TV, name, repr(shape), repr(kw)], kw, False)
+            (name, "x".join(map(str, shape)), [ONE_TV, name, repr(shape), repr(kw), *layout], kw, False)
             for name, shape, kw in TV_MODELS
         ]
     else:  # hf: token ids in, logits out; hf-loss: the model itself, by keyword, on its own loss
@@ -275,6 +291,7 @@ def main(argv=None) -> int:
             "",
             f"`python benchmarks/model_sweep.py --family {args.family}"
             f"{' --outputs-held loss' if args.outputs_held == 'loss' else ''}"
+            f"{' --channels-last' if args.channels_last else ''}"
             f"{' --only ' + ' '.join(args.only) if args.only else ''}`: {passed} of {len(rows)} rows pass "
             f"(10-s solves at {0.4 if images else 0.5} of the way from the lowest feasible "
             "peak to plain's; gradients, budget and prediction checked as the tests do).",
@@ -298,6 +315,8 @@ def main(argv=None) -> int:
             "torchvision": "model_sweep_tv.md",
         }[args.family]
     )
+    if args.channels_last:
+        path = path.with_name(path.stem + "_channels_last.md")
     atomic_write_text(path, text)
     print(f"wrote {path}")
     return 0 if passed == len(rows) else 1

@@ -72,11 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=11, help="timed steps per model (median)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--channels-last", action="store_true", help="vision models and inputs channels_last")
     args = ap.parse_args(argv)
 
     rows = []
     for name in args.models.split(","):
-        spec = ModelSpec(name, batch=args.batch, image=args.image, seq=args.seq)
+        spec = ModelSpec(
+            name, batch=args.batch, image=args.image, seq=args.seq, channels_last=args.channels_last
+        )
         print(f"{spec.describe()} ...", flush=True)
         r = measure(spec, args.steps)
         rows.append(r)

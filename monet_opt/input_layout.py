@@ -12,8 +12,8 @@ torch recommends) solve and train within the memory model (resnet18 b4 32x32, ev
 recomputed: 47.9 MB measured against 48.1 MB predicted; b16 64x64 at 60 MiB: 0.994 of the
 prediction), as does a channels_last model fed contiguous inputs. A contiguous model fed
 channels_last inputs mixes the two in its convolutions and is refused: 51.5 MB measured against
-48.3 MB predicted (session 45; session 43's 60.6 MB against 51.4 was measured with a profile cache
-that served the contiguous model its channels_last twin's convolutions, `monet_opt.profile`).
+48.3 MB predicted (session 45, fresh profile cache; session 43 measured 60.6 against 51.4 with a
+cache whose module keys did not yet tell weight layouts apart, `monet_opt.profile`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Implementation
-from .common import first_tensor, out_of_place_default, pack_bits, unpack_bits
+from .common import first_tensor, inverse, memory_order, out_of_place_default, pack_bits, unpack_bits
 
 # ------------------------------------------------------------------ autograd functions
 
@@ -32,15 +32,25 @@ from .common import first_tensor, out_of_place_default, pack_bits, unpack_bits
 _MIN_CHUNK = 4096  # elements per unpacked piece below which the mask is unpacked whole
 
 
-def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, numel: int, shape) -> torch.Tensor:
+def _pack_mask(ctx, mask: torch.Tensor) -> torch.Tensor:
+    """`mask` packed in its memory order (`memory_order`: a channels_last mask is packed through
+    its contiguous permutation), with what `_masked_grad` needs to read it on ctx."""
+    ctx.numel, ctx.perm = mask.numel(), memory_order(mask)
+    return pack_bits(mask if ctx.perm is None else mask.permute(ctx.perm))
+
+
+def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
     """grad where the packed mask is set, else 0, written into `grad` itself (the runtime hands
     this backward a gradient nobody else holds). Like torch's relu backward, inf/NaN gradients at
     masked positions become 0, not NaN: the mask, as 0/1 in grad's dtype, goes through torch's
     own threshold_backward (on CPU 4 ms for ResNet-50's 8x64x112x112 stem ReLU, where
-    masked_fill_ with a bool mask took 14 ms)."""
-    if grad.is_contiguous() and numel >= 8 * _MIN_CHUNK:
+    masked_fill_ with a bool mask took 14 ms). The mask is in the order `_pack_mask` packed it
+    (ctx.perm: a channels_last one's)."""
+    numel, perm = ctx.numel, ctx.perm
+    ordered = grad if perm is None else grad.permute(perm)  # (grad as the mask was packed)
+    if ordered.is_contiguous() and numel >= 8 * _MIN_CHUNK:
         # unpack an eighth at a time: the temporaries stay ~1/8 of the gradient
-        flat = grad.view(-1)
+        flat = ordered.view(-1)
         step = (-(-numel // 8) + 7) // 8 * 8  # a multiple of 8: chunks start on a packed byte
         for start in range(0, numel, step):
             n = min(step, numel - start)
@@ -48,7 +58,8 @@ def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, numel: int, shape) ->
             part = flat[start : start + n]
             _keep_where(part, keep)
         return grad
-    return _keep_where(grad, unpack_bits(packed, numel, shape))
+    keep = unpack_bits(packed, numel, ordered.shape)
+    return _keep_where(grad, keep if perm is None else keep.permute(inverse(perm)))
 
 
 def _keep_where(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -91,15 +102,14 @@ class ReLUBitmask(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(x)
         # torch's backward: grad where result > 0, i.e. not (result <= 0) (NaN passes the gradient).
-        ctx.numel, ctx.shape = y.numel(), y.shape
         # relu's output is >= 0 or NaN, so "not (y <= 0)" is "y != 0", i.e. y.bool().
-        ctx.save_for_backward(pack_bits(y.bool()))
+        ctx.save_for_backward(_pack_mask(ctx, y.bool()))
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        return _masked_grad(grad, packed, ctx.numel, ctx.shape)
+        return _masked_grad(grad, packed, ctx)
 
 
 class HardtanhBitmask(torch.autograd.Function):
@@ -111,14 +121,13 @@ class HardtanhBitmask(torch.autograd.Function):
         # hardtanh_backward(1, y) is 1 there and 0 elsewhere.
         ones = torch.ones((), dtype=y.dtype, device=y.device).expand_as(y)
         keep = torch.ops.aten.hardtanh_backward(ones, y, min_val, max_val).bool()
-        ctx.numel, ctx.shape = y.numel(), y.shape
-        ctx.save_for_backward(pack_bits(keep))
+        ctx.save_for_backward(_pack_mask(ctx, keep))
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        return _masked_grad(grad, packed, ctx.numel, ctx.shape), None, None
+        return _masked_grad(grad, packed, ctx), None, None
 
 
 def relu_bitmask(x: torch.Tensor) -> torch.Tensor:

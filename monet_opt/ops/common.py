@@ -262,6 +262,21 @@ def _unpack_table(device: torch.device) -> torch.Tensor:
     return t
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation whose view of `t` is contiguous where `t` is channels_last (4-d) or
+    channels_last_3d (5-d): packing that view reads `t` as it lies in memory, where packing `t`
+    itself copies it (a channels_last ResNet stem-sized ReLU's bit mask: forward 7.6 ms and
+    backward 31 ms, against 4.0 and 9.1 contiguous). None for any other layout."""
+    if t.is_contiguous():
+        return None
+    perm = {4: (0, 2, 3, 1), 5: (0, 2, 3, 4, 1)}.get(t.dim())
+    return perm if perm is not None and t.permute(perm).is_contiguous() else None
+
+
+def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(perm)), key=perm.__getitem__))
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor into uint8, 8 elements per byte (ceil(numel/8) bytes)."""
     flat = mask.reshape(-1)
