@@ -139,6 +139,17 @@ def paired_step_times(
     return step_s, plain_s
 
 
+class ContiguousTwin(nn.Module):
+    """A contiguous (NCHW) copy of a channels_last model, fed contiguous copies of its inputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
+
+    def forward(self, *inputs):
+        return self.model(*(x.contiguous() for x in inputs))
+
+
 def measure_paired(
     plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int, quartiles: list | None = None
 ) -> tuple[int, float, float]:
@@ -339,6 +350,24 @@ def run(args) -> list[Row]:
     plain_peak, plain_t = measure_step(model, inputs, args.steps)
     plain = Row("plain PyTorch", "—", plain_peak, plain_t)
     rows.append(plain)
+
+    if spec.channels_last:
+        # the same model contiguous (NCHW), as users train it without channels_last
+        say("plain PyTorch, contiguous")
+        twin = ContiguousTwin(model)
+        q = []
+        peak, t, tp = measure_paired(model, twin, inputs, args.steps, q)
+        rows.append(
+            Row(
+                "contiguous (NCHW) model, plain PyTorch",
+                "—",
+                peak,
+                t,
+                plain_step_s=tp,
+                ratio_q=q,
+                note="a contiguous copy of the model, fed x.contiguous(); peak includes that input copy",
+            )
+        )
 
     # torch.utils.checkpoint, sqrt(n) segments
     say("checkpoint_sequential")
