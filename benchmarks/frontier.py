@@ -160,6 +160,15 @@ def measure_paired(
     return peak, step_s, plain_s
 
 
+def paired_row(
+    method: str, budget: str, plain_model: nn.Module, model: nn.Module, inputs: tuple, steps: int, note: str
+) -> Row:
+    """A method's row, its steps interleaved with plain PyTorch's (`measure_paired`)."""
+    q: list = []
+    peak, t, tp = measure_paired(plain_model, model, inputs, steps, q)
+    return Row(method, budget, peak, t, plain_step_s=tp, ratio_q=q, note=note)
+
+
 # -- torch.compile -----------------------------------------------------------------------
 def measure_compiled(
     model: nn.Module, inputs: tuple, budget: float, steps: int
@@ -354,18 +363,16 @@ def run(args) -> list[Row]:
     if spec.channels_last:
         # the same model contiguous (NCHW), as users train it without channels_last
         say("plain PyTorch, contiguous")
-        twin = ContiguousTwin(model)
-        q = []
-        peak, t, tp = measure_paired(model, twin, inputs, args.steps, q)
+        note = "a contiguous copy of the model, fed x.contiguous(); peak includes that input copy"
         rows.append(
-            Row(
+            paired_row(
                 "contiguous (NCHW) model, plain PyTorch",
                 "—",
-                peak,
-                t,
-                plain_step_s=tp,
-                ratio_q=q,
-                note="a contiguous copy of the model, fed x.contiguous(); peak includes that input copy",
+                model,
+                ContiguousTwin(model),
+                inputs,
+                args.steps,
+                note,
             )
         )
 
@@ -377,17 +384,16 @@ def run(args) -> list[Row]:
             raise RuntimeError(f"no sequential form known for {type(model).__name__}")
         check_same_function(model, seq, inputs)
         ck = SqrtCheckpoint(seq)
-        q = []
-        peak, t, tp = measure_paired(model, ck, inputs, args.steps, q)
+        note = f"{ck.segments} segments over {len(seq)} modules, use_reentrant=False"
         rows.append(
-            Row(
+            paired_row(
                 "checkpoint_sequential",
                 f"sqrt(n): {ck.segments} of {len(seq)}",
-                peak,
-                t,
-                plain_step_s=tp,
-                ratio_q=q,
-                note=f"{ck.segments} segments over {len(seq)} modules, use_reentrant=False",
+                model,
+                ck,
+                inputs,
+                args.steps,
+                note,
             )
         )
     except Exception as exc:  # report, do not stop the run
@@ -401,18 +407,9 @@ def run(args) -> list[Row]:
         try:
             ck = copy.deepcopy(model)
             ck.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            q = []
-            peak, t, tp = measure_paired(model, ck, inputs, args.steps, q)
+            note = "model.gradient_checkpointing_enable(use_reentrant=False)"
             rows.append(
-                Row(
-                    "HF gradient checkpointing",
-                    "per block",
-                    peak,
-                    t,
-                    plain_step_s=tp,
-                    ratio_q=q,
-                    note="model.gradient_checkpointing_enable(use_reentrant=False)",
-                )
+                paired_row("HF gradient checkpointing", "per block", model, ck, inputs, args.steps, note)
             )
         except Exception as exc:  # report, do not stop the run
             traceback.print_exc()
