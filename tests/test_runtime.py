@@ -1739,6 +1739,11 @@ def test_a_channels_last_model_trains_within_its_memory_model(monkeypatch, tmp_p
         FingerprintMismatch, match="laid out channels_last, the schedule was solved for contiguous"
     ):
         MonetWrapper(model, contiguous_schedule, example_inputs=(x.contiguous(),))
+    # a schedule from before the layouts were recorded (the shipped ones): a warning
+    old_schedule = _with_problem_meta(contiguous_problem, baselines.no_recompute(contiguous_problem))
+    del old_schedule.meta["weight_layouts"]
+    with pytest.warns(RuntimeWarning, match="does not record the layout it was profiled with"):
+        MonetWrapper(model, old_schedule, example_inputs=(x.contiguous(),))
     # ReLUs and additions run in place as on contiguous tensors (out of place they made a
     # channels_last ResNet-50's no-recompute step 9 % slower than plain)
     in_place = _count_reuse(MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,)), x)

@@ -726,9 +726,19 @@ def _check_weight_layouts(schedule: Schedule, model: nn.Module) -> None:
     (`model.to(memory_format=...)` afterwards keeps the parameter objects, which the slot check
     follows, and is not noticed)."""
     solved = schedule.meta.get("weight_layouts")
-    if not isinstance(solved, dict):
-        return  # (a schedule from before session 45, or solver.solve's own)
     now = input_layout.weight_layouts(model)
+    if not isinstance(solved, dict):
+        # (a schedule from before session 45, as the shipped ones, or solver.solve's own)
+        if set(now.values()) != {input_layout.CONTIGUOUS} and "input_shapes" in schedule.meta:
+            warnings.warn(
+                f"monet-opt: the model's weights are laid out {now}, and this schedule does not "
+                "record the layout it was profiled with (made before monet-opt recorded it, most "
+                "likely for contiguous weights): if so, its memory model does not hold for this "
+                "model; solve for the model as it is",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
     for dim, layout in now.items():
         if dim in solved and solved[dim] != layout:
             raise FingerprintMismatch(
