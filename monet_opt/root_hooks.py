@@ -7,7 +7,8 @@ checks run with these hooks `off`, and the wrapper runs its training step `throu
 changes or records the output, a full backward hook: as in plain PyTorch). Before, the trace's
 check compared the graph with the hooked eager model and refused the model ("the traced ...
 differs from the eager model"). A submodule's hooks are another matter: such a submodule is
-kept as one node (`monet_opt.graph`).
+kept as one node (`monet_opt.graph`). torch's global module hooks (every module's call runs them)
+are not followed: `global_hooks` says which are registered, and the wrapper warns once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,24 @@ _HOOK_DICTS = (
     "_backward_hooks",
 )
 _MISSING = object()
+
+
+_GLOBAL_HOOKS = {
+    "_global_forward_pre_hooks": "forward pre-hooks",
+    "_global_forward_hooks": "forward hooks",
+    "_global_backward_pre_hooks": "backward pre-hooks",
+    "_global_backward_hooks": "backward hooks",
+}
+
+
+def global_hooks() -> list[str]:
+    """Which kinds of torch's global module hooks (`nn.modules.module.register_module_forward_hook`
+    and its kin: every module's call runs them) are registered now. A wrapped step runs them
+    where its graph calls a module whole (again when recomputing it), not for modules the trace
+    went through."""
+    from torch.nn.modules import module
+
+    return [label for attr, label in _GLOBAL_HOOKS.items() if getattr(module, attr, None)]
 
 
 def any_on(model: nn.Module) -> bool:

@@ -3,6 +3,8 @@ inputs and returns a dict, traced, solved and trained through a root that takes 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -219,3 +221,27 @@ def test_hooks_on_the_model_itself_run_around_the_step_as_in_plain_pytorch(monke
                 assert_grads_close(p.grad, q.grad, f"step {step}: grad of {name}")
             zero_grad(model)
             zero_grad(plain)
+
+
+def test_global_module_hooks_are_warned_about_once(monkeypatch, tmp_path):
+    """torch's global module hooks run at every module's call; a wrapped step runs them where
+    its graph calls a module whole (at each call: again when recomputed), not for modules it
+    traced through: it warns, once, naming the kinds registered."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)), torch.randn(8, 16)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: calls.append(mod))
+    try:
+        with pytest.warns(RuntimeWarning, match="global module forward hooks are registered"):
+            wrapped(x).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            wrapped(x).sum().backward()  # (once)
+    finally:
+        handle.remove()
+    # the wrapper's own call each step; the Linears and Tanh at each call of their node, so once
+    # more where the schedule recomputes them (plain: each module once a step)
+    assert sum(m is wrapped for m in calls) == 2 and len(calls) > 2 * 4, calls

@@ -331,6 +331,7 @@ class MonetWrapper(nn.Module):
         # schedule on that graph; the most recently used RETRACED_SHAPES kept
         self._retraced: OrderedDict[tuple, ScheduleExecutor] = OrderedDict()
         self._warned_autocast = False
+        self._warned_global_hooks = False
         self.input_dtypes = [x.dtype for x in example_inputs]
         # the memory format each input was profiled in (what build_problem recorded, or the examples')
         self.input_layouts = self.schedule.meta.get("input_layouts") or [
@@ -426,6 +427,17 @@ class MonetWrapper(nn.Module):
         return copied
 
     def _training_step(self, inputs: tuple, named: dict[str, Any]) -> Any:
+        if not self._warned_global_hooks and (kinds := root_hooks.global_hooks()):
+            self._warned_global_hooks = True
+            warnings.warn(
+                f"monet-opt: global module {' and '.join(kinds)} are registered "
+                "(torch.nn.modules.module.register_module_*_hook): a wrapped training step runs them "
+                "where its graph calls a module whole, at each call (again when it recomputes the "
+                "module), and not for modules the trace went through; plain PyTorch runs them once "
+                "per module call. Eval steps run the model plainly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         if isinstance(self._root, StructuredRoot):
             if named:
                 raise TypeError("monet-opt: the schedule was traced with structured positional inputs only")
