@@ -45,9 +45,7 @@ def global_hooks() -> list[str]:
     and its kin: every module's call runs them) are registered now. A wrapped step runs them
     where its graph calls a module whole (again when recomputing it), not for modules the trace
     went through."""
-    from torch.nn.modules import module
-
-    return [label for attr, label in _GLOBAL_HOOKS.items() if getattr(module, attr, None)]
+    return [label for attr, label in _GLOBAL_HOOKS.items() if getattr(nn.modules.module, attr, None)]
 
 
 def any_on(model: nn.Module) -> bool:
