@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
-from monet_opt import autocast_regions, module_state
+from monet_opt import autocast_regions, input_layout, module_state
 from monet_opt.ops import implementations_for, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
@@ -318,9 +318,10 @@ def reuse_arguments_allow(kind: str, x: Any, y: Any = None) -> bool:
         # (a view in autograd's sense: see `ScheduleExecutor._may_reuse`; the runtime's detached
         # values are none, so there this only keeps the profile from counting on it)
         return False
-    contiguous = x.is_contiguous()
-    if not contiguous and not _channels_last(x):
+    layout = input_layout.layout_of(x)
+    if layout == "strided":
         return False
+    contiguous = layout == input_layout.CONTIGUOUS
     if kind == "add":
         if isinstance(y, torch.Tensor):
             if y.dtype != x.dtype or storage_key(y) == storage_key(x):
@@ -332,11 +333,6 @@ def reuse_arguments_allow(kind: str, x: Any, y: Any = None) -> bool:
         elif not isinstance(y, (int, float)) or isinstance(y, bool):
             return False
     return x.numel() > 0 and spans_storage(x)
-
-
-def _channels_last(x: torch.Tensor) -> bool:
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    return fmt is not None and x.is_contiguous(memory_format=fmt)
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
