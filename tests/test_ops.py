@@ -224,6 +224,31 @@ def test_relu_implementations_match(op, target):
         assert torch.equal(xi, x0.clone().requires_grad_()) or torch.equal(xi.nan_to_num(), x0.nan_to_num())
 
 
+@pytest.mark.parametrize(
+    "x_stride,grad_stride",
+    [
+        ((87, 1, 1, 1), (87, 1, 87, 87)),  # an SE block's 1x1 ReLU: strides differ on size-1 dims
+        ((128, 1, 32, 8), (128, 16, 4, 1)),  # a channels_last ReLU fed a contiguous gradient
+    ],
+)
+def test_relu_gradients_are_laid_out_as_torchs(x_stride, grad_stride):
+    """torch's ReLU backward lays its result out as its output, whatever the gradient's layout;
+    the next backward's kernels round by layout, so an in-place backward writing into a gradient
+    laid out otherwise made a channels_last rexnet's `bitwise` gradients differ from plain's in
+    the last bits. Every ReLU implementation's input gradient now has torch's strides."""
+    shape = (2, 87, 1, 1) if x_stride[0] == 87 else (2, 8, 4, 4)
+    x0 = torch.empty_strided(shape, x_stride).copy_(torch.randn(shape))
+    g = torch.empty_strided(shape, grad_stride).copy_(torch.randn(shape))
+    xr = x0.clone().requires_grad_()
+    (expected,) = grads_of(torch.relu(xr), [xr], g)
+    found = impls("call_module", nn.ReLU())
+    for impl in found.values():
+        xi = x0.detach().clone().requires_grad_()
+        assert xi.stride() == x_stride
+        (gi,) = grads_of(run(impl, nn.ReLU(), (xi,)), [xi], g)
+        assert torch.equal(gi, expected) and gi.stride() == expected.stride(), (impl.name, gi.stride())
+
+
 @pytest.mark.parametrize("numel", [8 * 4096 * 3 + 5, 1000])  # chunked (odd tail) and whole
 def test_relu_bitmask_backward_is_torchs_with_inf_and_nan_gradients(numel):
     x = torch.randn(numel)

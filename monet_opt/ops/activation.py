@@ -32,10 +32,25 @@ from .common import first_tensor, inverse, memory_order, out_of_place_default, p
 _MIN_CHUNK = 4096  # elements per unpacked piece below which the mask is unpacked whole
 
 
+def _laid_out_as(grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """Where a ReLU's backward writes its result: torch's (threshold_backward) is laid out as the
+    saved tensor, strides `stride`, whatever the gradient's layout, and the next backward's kernels
+    round by layout (a channels_last rexnet's SE ReLUs got gradients strided (87, 1, 87, 87)
+    against their output's (87, 1, 1, 1): written in place, the 1x1 convolutions' backward took
+    another kernel and 202 of 227 gradients differed from plain's in the last bits). `grad`
+    itself where its strides are those or differ only on size-1 dimensions (restrided, no copy),
+    else a copy laid out so (as torch allocates one)."""
+    if grad.stride() == stride:
+        return grad
+    if all(a == b for a, b, n in zip(grad.stride(), stride, grad.shape) if n != 1):
+        return grad.as_strided(grad.shape, stride, grad.storage_offset())
+    return torch.empty_strided(grad.shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def _pack_mask(ctx, mask: torch.Tensor) -> torch.Tensor:
     """`mask` packed in its memory order (`memory_order`: a channels_last mask is packed through
     its contiguous permutation), with what `_masked_grad` needs to read it on ctx."""
-    ctx.numel, ctx.perm = mask.numel(), memory_order(mask)
+    ctx.numel, ctx.perm, ctx.stride = mask.numel(), memory_order(mask), mask.stride()
     return pack_bits(mask if ctx.perm is None else mask.permute(ctx.perm))
 
 
@@ -47,6 +62,8 @@ def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
     masked_fill_ with a bool mask took 14 ms). The mask is in the order `_pack_mask` packed it
     (ctx.perm: a channels_last one's)."""
     numel, perm = ctx.numel, ctx.perm
+    if ctx.relu:
+        grad = _laid_out_as(grad, ctx.stride)
     ordered = grad if perm is None else grad.permute(perm)  # (grad as the mask was packed)
     if ordered.is_contiguous() and numel >= 8 * _MIN_CHUNK:
         # unpack an eighth at a time: the temporaries stay ~1/8 of the gradient
@@ -79,6 +96,7 @@ class ReLUInplaceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
+        grad = _laid_out_as(grad, y.stride())
         return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
 
 
@@ -88,12 +106,15 @@ class ReLUInputActivated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        return torch.relu(x)
+        y = torch.relu(x)
+        ctx.stride = y.stride()  # (torch's backward lays its result out as y, not always as x)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
         # grad where x > 0, else 0: where relu(x) > 0, which is torch's relu backward
+        grad = _laid_out_as(grad, ctx.stride)
         return torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=grad)
 
 
@@ -104,6 +125,7 @@ class ReLUBitmask(torch.autograd.Function):
         # torch's backward: grad where result > 0, i.e. not (result <= 0) (NaN passes the gradient).
         # relu's output is >= 0 or NaN, so "not (y <= 0)" is "y != 0", i.e. y.bool().
         ctx.save_for_backward(_pack_mask(ctx, y.bool()))
+        ctx.relu = True  # (torch's relu backward lays its result out as y; hardtanh's as the gradient)
         return y
 
     @staticmethod
@@ -122,6 +144,7 @@ class HardtanhBitmask(torch.autograd.Function):
         ones = torch.ones((), dtype=y.dtype, device=y.device).expand_as(y)
         keep = torch.ops.aten.hardtanh_backward(ones, y, min_val, max_val).bool()
         ctx.save_for_backward(_pack_mask(ctx, keep))
+        ctx.relu = False
         return y
 
     @staticmethod
