@@ -1747,10 +1747,15 @@ def test_a_channels_last_model_trains_within_its_memory_model(monkeypatch, tmp_p
     # ReLUs and additions run in place as on contiguous tensors (out of place they made a
     # channels_last ResNet-50's no-recompute step 9 % slower than plain)
     in_place = _count_reuse(MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,)), x)
-    expected = _count_reuse(
-        MonetWrapper(contiguous, contiguous_schedule, example_inputs=(x.contiguous(),)), x.contiguous()
-    )
+    wrapped_contiguous = MonetWrapper(contiguous, contiguous_schedule, example_inputs=(x.contiguous(),))
+    expected = _count_reuse(wrapped_contiguous, x.contiguous())
     assert sorted(in_place) == sorted(expected) and expected.count("relu") >= 17, (in_place, expected)
+    # converted after wrapping: the same Parameter objects, laid out otherwise: noticed at the step
+    contiguous.to(memory_format=torch.channels_last)
+    with pytest.raises(
+        FingerprintMismatch, match="weights are laid out channels_last, the schedule was solved"
+    ):
+        wrapped_contiguous(x.contiguous())
 
 
 def test_batch_norm_with_a_cumulative_average_profiles_and_trains_like_plain(monkeypatch, tmp_path):

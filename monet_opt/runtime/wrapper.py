@@ -610,6 +610,7 @@ class MonetWrapper(nn.Module):
             f" ({len(changed)} in all)" if len(changed) > 3 else ""
         )
         what = f"{names} on the model changed since it was wrapped"
+        _check_weight_layouts(self.schedule, self.model)  # (before tracing: another memory model)
         if self.steps is not None:
             raise RuntimeError(
                 f"monet-opt: {what}; the optimizer steps in the backward hold the parameters it was "
@@ -734,9 +735,9 @@ def _warn_if_profiled_elsewhere(schedule: Schedule, example_inputs: tuple) -> No
 def _check_weight_layouts(schedule: Schedule, model: nn.Module) -> None:
     """FingerprintMismatch where the model's convolution weights are laid out otherwise than when
     the schedule was profiled (a model converted to channels_last since, or back): its
-    convolutions run other kernels with other temporaries. Checked when the wrapper is made
-    (`model.to(memory_format=...)` afterwards keeps the parameter objects, which the slot check
-    follows, and is not noticed)."""
+    convolutions run other kernels with other temporaries. Checked when the wrapper is made, and
+    when the slot check sees a weight's strides change (`model.to(memory_format=...)` after
+    wrapping keeps the Parameter objects)."""
     solved = schedule.meta.get("weight_layouts")
     now = input_layout.weight_layouts(model)
     if not isinstance(solved, dict):
