@@ -235,7 +235,8 @@ def test_relu_gradients_are_laid_out_as_torchs(x_stride, grad_stride):
     """torch's ReLU backward lays its result out as its output, whatever the gradient's layout;
     the next backward's kernels round by layout, so an in-place backward writing into a gradient
     laid out otherwise made a channels_last rexnet's `bitwise` gradients differ from plain's in
-    the last bits. Every ReLU implementation's input gradient now has torch's strides."""
+    the last bits. Where strides differ only on size-1 dimensions (the SE case) every ReLU
+    implementation's input gradient now has torch's strides; elsewhere the values are torch's."""
     shape = (2, 87, 1, 1) if x_stride[0] == 87 else (2, 8, 4, 4)
     x0 = torch.empty_strided(shape, x_stride).copy_(torch.randn(shape))
     g = torch.empty_strided(shape, grad_stride).copy_(torch.randn(shape))
@@ -246,7 +247,9 @@ def test_relu_gradients_are_laid_out_as_torchs(x_stride, grad_stride):
         xi = x0.detach().clone().requires_grad_()
         assert xi.stride() == x_stride
         (gi,) = grads_of(run(impl, nn.ReLU(), (xi,)), [xi], g)
-        assert torch.equal(gi, expected) and gi.stride() == expected.stride(), (impl.name, gi.stride())
+        assert torch.equal(gi, expected), impl.name
+        if x_stride[0] == 87:  # (where the layouts differ beyond size-1 dims, in place: no copy)
+            assert gi.stride() == expected.stride(), (impl.name, gi.stride())
 
 
 @pytest.mark.parametrize("numel", [8 * 4096 * 3 + 5, 1000])  # chunked (odd tail) and whole
