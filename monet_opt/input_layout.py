@@ -10,10 +10,10 @@ and dtypes, not strides, so the wrapper checks the formats itself.
 A model and its inputs both channels_last (`model.to(memory_format=torch.channels_last)`, as
 torch recommends) solve and train within the memory model (resnet18 b4 32x32, every state
 recomputed: 47.9 MB measured against 48.1 MB predicted; b16 64x64 at 60 MiB: 0.994 of the
-prediction), as does a channels_last model fed contiguous inputs. A contiguous model fed
-channels_last inputs mixes the two in its convolutions and is refused: 51.5 MB measured against
-48.3 MB predicted (session 45, fresh profile cache; session 43 measured 60.6 against 51.4 with a
-cache whose module keys did not yet tell weight layouts apart, `monet_opt.profile`).
+prediction), as does a channels_last model fed contiguous inputs, and a contiguous model fed
+channels_last inputs (its convolutions run channels_last; refused in sessions 43-45, measured
+up to 7 % over the prediction, until the executor copied weight gradients made channels_last into
+their parameters' layout where plain PyTorch does: `runtime.executor._laid_out_as_param`).
 """
 
 from __future__ import annotations
@@ -61,25 +61,6 @@ def weight_layouts(model: torch.nn.Module) -> dict[str, str]:
     """{'4': layout, '5': layout} of the model's 4- and 5-dimensional weights (`weight_layout`,
     'mixed' without the name: a root around the model prefixes it)."""
     return {str(dim): weight_layout(model, dim).split(":")[0] for dim in (4, 5)}
-
-
-def check_solvable(model: torch.nn.Module, inputs: tuple) -> None:
-    """ValueError for an example input in a channels_last format fed to a model whose weights
-    are not all in that format, naming both."""
-    for k, x in enumerate(inputs):
-        layout = layout_of(x)
-        if layout not in FORMATS:
-            continue
-        weights = weight_layout(model, x.dim())
-        if weights != layout:
-            raise ValueError(
-                f"example input {k} is laid out {layout}, but the model's {x.dim()}-dimensional "
-                f"weights are {weights} (a contiguous model fed channels_last inputs mixes the two "
-                "formats in its convolutions, and monet-opt's memory model does not hold for it: "
-                "resnet18 b4 32x32 measured 51.5 MB against 48.3 MB predicted). Convert the model "
-                f"too, model.to(memory_format=torch.{layout}), or pass the input contiguous "
-                "(x.contiguous())"
-            )
 
 
 def differs(now: str, solved: str) -> bool:

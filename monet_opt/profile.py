@@ -528,7 +528,6 @@ def build_problem(
         raise ValueError(f"outputs_held must be 'all' or 'loss', not {outputs_held!r}")
     # (inputs by keyword, {'input_ids': ids, 'use_cache': False}: `monet_opt.keyword_inputs`)
     model, example_inputs = as_traceable(model, example_inputs)
-    input_layout.check_solvable(model, example_inputs)
     if device is None:
         device = next((p.device for p in model.parameters()), example_inputs[0].device)
     device = torch.device(device)
