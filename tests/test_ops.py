@@ -655,6 +655,56 @@ def test_maxpool_indices_gradient_of_a_channels_last_input_is_laid_out_as_torchs
     assert peak <= default + y.numel() * 8 + 4096, (peak, default)
 
 
+def _channels_last(*shape):
+    return torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+
+
+LAYOUT_CASES = [
+    ("conv3x3", "call_module", lambda: nn.Conv2d(8, 16, 3, padding=1).to(memory_format=torch.channels_last)),
+    ("conv1x1s2", "call_module", lambda: nn.Conv2d(8, 16, 1, stride=2).to(memory_format=torch.channels_last)),
+    ("conv_contiguous_weight", "call_module", lambda: nn.Conv2d(8, 16, 3, padding=1)),
+    (
+        "depthwise",
+        "call_module",
+        lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8).to(memory_format=torch.channels_last),
+    ),
+    ("batch_norm", "call_module", lambda: nn.BatchNorm2d(8)),
+    ("relu", "call_module", lambda: nn.ReLU()),
+    ("relu6", "call_module", lambda: nn.ReLU6()),
+    ("max_pool", "call_module", lambda: nn.MaxPool2d(3, 2, 1)),
+    ("avg_pool", "call_module", lambda: nn.AvgPool2d(2)),
+    ("dropout", "call_module", lambda: nn.Dropout(0.2)),
+]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[c[0] for c in LAYOUT_CASES])
+def test_every_implementation_lays_out_gradients_of_channels_last_tensors_as_the_default(case):
+    """On channels_last inputs every implementation's output, input gradient and parameter
+    gradients (as the engine makes them, before a leaf's AccumulateGrad restrides them) have
+    torch's strides (the "indices" max pool's input gradient came out contiguous, and the
+    backwards before it ran on it)."""
+    _, op, make = case
+    target = make()
+    x0 = _channels_last(2, 8, 10, 10)
+    params = list(target.parameters())
+
+    def strides(fn):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)
+        y = fn(x)
+        grads = torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+        return [y.stride(), *(g.stride() for g in grads)]
+
+    plain = strides(target)
+    layouts = {
+        name: strides(lambda x, impl=impl: run(impl, target, (x,)))
+        for name, impl in impls(op, target, (x0,), {}).items()
+        if impl.applies is None or impl.applies((x0,), {})
+    }
+    assert len(layouts) > 1 or case[0] in ("avg_pool", "conv_contiguous_weight"), layouts
+    assert all(v == plain for v in layouts.values()), (plain, layouts)
+
+
 def test_maxpool_indices_gradcheck():
     x = torch.randperm(2 * 2 * 7 * 7, dtype=torch.float64).view(2, 2, 7, 7).div(10).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: max_pool2d_indices(t, 3, 2, 1), (x,))
