@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from monet_opt import autocast_regions, input_layout, module_state
@@ -1047,21 +1048,11 @@ def _laid_out_as_param(g: torch.Tensor | None, param: torch.Tensor) -> torch.Ten
     there (3.6 MB over)."""
     if g is None or g.layout != torch.strided or param.layout != torch.strided:
         return None  # (None: the engine reached the parameter without a gradient)
-    if not _dense(param):
+    if not is_non_overlapping_and_dense_or_false(param):  # (torch's own test, as AccumulateGrad's)
         return None if g.is_contiguous() else g.contiguous()
     if all(a == b if n != 1 else a != 0 for a, b, n in zip(g.stride(), param.stride(), g.shape)):
         return None  # (torch's obeys_layout_contract)
     return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: its elements fill a span of its storage exactly once."""
-    expected = 1
-    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
-        if st != expected:
-            return False
-        expected *= n
-    return True
 
 
 def _signature(inputs: tuple) -> tuple:
