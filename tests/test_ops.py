@@ -127,6 +127,7 @@ def test_pack_bits_roundtrip(n):
 
 # ----------------------------------------------------------------------------- in-place handling
 
+
 def _target_id(target) -> str:
     """A test id that is the same in every process (a function's repr holds its address)."""
     if isinstance(target, (str, nn.Module)):

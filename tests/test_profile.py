@@ -475,6 +475,32 @@ def test_modules_that_differ_only_in_their_parametrizations_are_measured_apart(m
     assert heavy > light + 500_000, (light, heavy)
 
 
+def test_a_workspace_chosen_by_the_gradients_norm_is_measured_at_its_largest(monkeypatch, tmp_path):
+    """`torch.matrix_exp`'s backward (an orthogonal parametrization's) picks its algorithm by the
+    gradient's norm: 459 KB here at gradients of 1e-8, 918 KB from 1e-3 up. The profile feeds
+    gradients of ones, so its workspace is the largest, whatever the loss's scale (README:
+    Limits)."""
+    from monet_opt.memory import track_peak
+
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = _Parametrized("orthogonal"), torch.randn(512, 64)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    node = problem.nodes[0]
+    assert node.name == "a", node.name
+
+    def backward_peak(scale: float) -> int:
+        y = model.a(x)
+        g = torch.full_like(y, scale)
+        with track_peak("cpu") as m:
+            torch.autograd.grad(y, list(model.a.parameters()), g)
+        return m.peak_bytes - node.param_grad_bytes
+
+    small, large = backward_peak(1e-8), backward_peak(1e4)
+    assert small < 0.7 * large, (small, large)  # the gradient's scale matters
+    assert node.impls[0].bwd_workspace >= large, (node.impls[0].bwd_workspace, large)
+
+
 class _TanhTimes(torch.autograd.Function):
     """x * tanh(x), keeping tanh(x) as an attribute of ctx, not through save_for_backward."""
 
