@@ -1048,7 +1048,8 @@ def _laid_out_as_param(g: torch.Tensor | None, param: torch.Tensor) -> torch.Ten
     there (3.6 MB over)."""
     if g is None or g.layout != torch.strided or param.layout != torch.strided:
         return None  # (None: the engine reached the parameter without a gradient)
-    if not is_non_overlapping_and_dense_or_false(param):  # (torch's own test, as AccumulateGrad's)
+    # (torch's own test, as AccumulateGrad's; 15-30 us in Python: contiguous params skip it)
+    if not (param.is_contiguous() or is_non_overlapping_and_dense_or_false(param)):
         return None if g.is_contiguous() else g.contiguous()
     if all(a == b if n != 1 else a != 0 for a, b, n in zip(g.stride(), param.stride(), g.shape)):
         return None  # (torch's obeys_layout_contract)
