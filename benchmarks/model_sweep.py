@@ -191,18 +191,15 @@ T.check_own_loss(model, inputs, 0.5, name, outputs_held=held)
 
 # The end of the image families' scripts: the pipeline's check; or, with MONET_SWEEP_PLAIN_NOISE set
 # to a parameter's name, plain PyTorch's own float32 noise on its gradient (1 thread against the
-# default count: another summation order, as an implementation within float rounding has).
+# default count: another summation order, as an implementation within float rounding has;
+# `plain_gradient_noise.grads_at_one_thread`).
 CHECK_OR_PLAIN_NOISE = """
-import copy, os
+import os
 param = os.environ.get("MONET_SWEEP_PLAIN_NOISE")
 if param:
-    from tests.test_runtime import grads_after_step
-    got, threads_default = [], torch.get_num_threads()
-    for threads in (threads_default, 1):
-        torch.set_num_threads(threads)
-        plain = copy.deepcopy(model)
-        got.append(grads_after_step(plain, plain, x)[param])
-    print(f"{threads_default} {float((got[0] - got[1]).abs().max()):.3g}")
+    from benchmarks.plain_gradient_noise import grads_at_one_thread
+    threads, at_default, at_one = grads_at_one_thread(model, x)
+    print(f"{threads} {float((at_default[param] - at_one[param]).abs().max()):.3g}")
 else:
     T._check(model, x, 0.4, name, example_inputs=(x,))
 """
