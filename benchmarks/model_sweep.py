@@ -251,13 +251,14 @@ def run_one(argv: list[str], timeout: float) -> tuple[str, float, str]:
     return "FAIL", seconds, (lines[-1] if lines else f"exit {done.returncode}")[:300]
 
 
-def plain_noise(argv: list[str], detail: str, timeout: float) -> tuple[int, float] | None:
-    """For a row failing on a gradient: (the default thread count, plain PyTorch's own largest
-    difference on that gradient between it and 1 thread); None for other failures."""
-    found = re.search(r"grad of (\S+): max abs diff ([0-9.e+-]+)", detail)
-    if not found:
-        return None
-    env = {**os.environ, "MONET_SWEEP_PLAIN_NOISE": found.group(1)}
+# a row's failure on a gradient (`tests.test_runtime.assert_grads_close`): the parameter, the difference
+GRAD_FAILURE = re.compile(r"grad of (\S+): max abs diff ([0-9.e+-]+)")
+
+
+def plain_noise(argv: list[str], param: str, timeout: float) -> tuple[int, float] | None:
+    """(the default thread count, plain PyTorch's own largest difference on `param`'s gradient
+    between it and 1 thread), run as the row's own script; None if that run failed."""
+    env = {**os.environ, "MONET_SWEEP_PLAIN_NOISE": param}
     try:
         done = subprocess.run(
             [sys.executable, "-c", *argv], capture_output=True, text=True, timeout=timeout, env=env
@@ -313,10 +314,11 @@ def main(argv=None) -> int:
     within_noise = 0
     for name, size, argv, kw, bitwise in runs:
         status, seconds, detail = run_one(argv, args.timeout)
-        noise = plain_noise(argv, detail, args.timeout) if status == "FAIL" and images else None
+        found = GRAD_FAILURE.search(detail) if status == "FAIL" and images else None
+        noise = plain_noise(argv, found.group(1), args.timeout) if found else None
         if noise is not None:
             threads, diff = noise
-            within_noise += float(re.search(r"max abs diff ([0-9.e+-]+)", detail).group(1)) <= diff
+            within_noise += float(found.group(2)) <= diff
             detail += f" (plain PyTorch itself, 1 thread against {threads}: {diff:.3g})"
         options = ", ".join([f"{k}={v}" for k, v in kw.items()] + (["bitwise"] if bitwise else []))
         print(f"{status:7s} {name} {size} {options} {seconds:.0f} s {detail}", flush=True)

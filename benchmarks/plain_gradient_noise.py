@@ -25,17 +25,17 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from solver.jsonio import atomic_write_text  # noqa: E402
-from tests.test_runtime import grads_after_step  # noqa: E402
+from tests.test_runtime import GRAD_RTOL, grad_atol, grads_after_step  # noqa: E402
 
 
 def over_tolerance(expected: dict, got: dict) -> list[tuple[float, float, float, str]]:
-    """(how far over the tests' tolerance, largest difference, largest gradient, name), furthest first."""
+    """(how far over the tests' tolerance (`tests.test_runtime.assert_grads_close`), largest
+    difference, largest gradient, name), furthest first."""
     rows = []
     for name, e in expected.items():
         g = got[name]
         largest = float(e.abs().max())
-        atol = max(1e-6, 1e-5 * largest)
-        excess = float(((g - e).abs() - (atol + 1e-5 * e.abs())).max())
+        excess = float(((g - e).abs() - (grad_atol(largest) + GRAD_RTOL * e.abs())).max())
         rows.append((excess, float((g - e).abs().max()), largest, name))
     return sorted(rows, reverse=True)
 

@@ -68,6 +68,14 @@ def grads_after_step(net, model, x, seed=1):
     return grads
 
 
+GRAD_RTOL = 1e-5
+
+
+def grad_atol(largest: float) -> float:
+    """The gradient tests' absolute tolerance for a tensor whose largest |gradient| is `largest`."""
+    return max(1e-6, 1e-5 * largest)
+
+
 def assert_grads_close(got, expected, what):
     """rtol 1e-5, and an atol of 1e-5 relative to the tensor's largest gradient: output-activated
     BatchNorm rebuilds its input from its output, a few float32 ulps away, and small-batch
@@ -77,12 +85,12 @@ def assert_grads_close(got, expected, what):
     if got.dtype == expected.dtype and torch.equal(got, expected):
         return  # (bit for bit, as most are: one pass; the tolerance check took 2.5 s on vgg's 103M-element weight)
     largest = float(expected.abs().max())
-    atol = max(1e-6, 1e-5 * largest)
+    atol = grad_atol(largest)
     diff = float((got - expected).abs().max())
     torch.testing.assert_close(
         got,
         expected,
-        rtol=1e-5,
+        rtol=GRAD_RTOL,
         atol=atol,
         msg=f"{what}: max abs diff {diff:.3g}, largest |grad| {largest:.3g}, atol {atol:.3g}",
     )
