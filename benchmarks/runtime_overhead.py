@@ -11,7 +11,10 @@ step follows an untimed step of the same model). The overhead is the median of t
 wrapped/plain ratios, with its quartiles (`paired_ratio`), and the ratio of the two fastest
 steps (the executor adds work to every step; what a busy machine adds to a step only slows it,
 so the fastest steps are the least disturbed); the table also gives each model's median step.
-Peaks: `monet_opt.bench.measure_step_peak`.
+Peaks: `monet_opt.bench.measure_step_peak`. Page faults: minor faults of one step after a
+step of the same model (`monet_opt.bench.step_page_faults`): on CPU, memory glibc handed back
+to the kernel comes back as fresh zeroed pages, a cost that depends on the order of frees, not
+on the arithmetic; `--keep-freed-memory` (`monet_opt.malloc`) removes it for both models.
 Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
 """
 
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from monet_opt.bench import interleaved_samples, measure_step_peak, paired_ratio
+from monet_opt.bench import interleaved_samples, measure_step_peak, paired_ratio, step_page_faults
+from monet_opt.malloc import keep_freed_memory
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from monet_opt.zoo import ModelSpec
@@ -45,6 +49,7 @@ def measure(spec: ModelSpec, steps: int) -> dict:
     wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=inputs)
     plain_peak = measure_step_peak(model, inputs)
     peak = measure_step_peak(wrapped, inputs)
+    faults = (step_page_faults(model, inputs), step_page_faults(wrapped, inputs))
     plain_t, step_t = interleaved_samples(model, wrapped, inputs, steps)
     ratio, q1, q3 = paired_ratio(plain_t, step_t)
     return {
@@ -56,6 +61,7 @@ def measure(spec: ModelSpec, steps: int) -> dict:
         "step_s": statistics.median(step_t),
         "ratio": (ratio, q1, q3),
         "min_ratio": min(step_t) / min(plain_t),
+        "faults": faults,
     }
 
 
@@ -73,7 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=11, help="timed steps per model (median)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--channels-last", action="store_true", help="vision models and inputs channels_last")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed blocks for both models (no fresh pages per step; monet_opt.malloc)",
+    )
     args = ap.parse_args(argv)
+    kept = "yes" if args.keep_freed_memory and keep_freed_memory() else "no"
 
     rows = []
     for name in args.models.split(","):
@@ -86,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
             f"(paired {_overhead(r['ratio'])}; fastest steps {r['min_ratio'] - 1:+.1%}); "
-            f"peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB",
+            f"peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB; "
+            f"page faults {r['faults'][1]} vs {r['faults'][0]}",
             flush=True,
         )
 
@@ -95,17 +108,18 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"`python benchmarks/runtime_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         f"({datetime.datetime.now().isoformat(timespec='minutes')}, torch {torch.__version__}, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end)",
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end; "
+        f"glibc keeps freed memory: {kept})",
         "",
         "| model | nodes | plain ms | wrapped ms | overhead (paired median, quartiles) | fastest vs fastest "
-        "| plain MiB | wrapped MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| plain MiB | wrapped MiB | plain page faults | wrapped page faults |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
             f"{_overhead(r['ratio'])} | {r['min_ratio'] - 1:+.1%} | "
-            f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} |"
+            f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} | {r['faults'][0]} | {r['faults'][1]} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

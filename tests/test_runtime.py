@@ -1734,6 +1734,43 @@ def test_a_contiguous_model_fed_channels_last_inputs_trains_within_its_memory_mo
         assert abs(peak - predicted) <= 0.05 * predicted, f"measured {peak} vs predicted {predicted}"
 
 
+def test_gradients_laid_out_unlike_their_parameters_are_learnt_in_the_first_step(monkeypatch, tmp_path):
+    """The executor copies a weight gradient made in another layout than its parameter's as the
+    engine makes it, through a hook on the parameter (`_laid_out_as_param`). A hook costs ~50 us
+    in the engine, so only a signature's first step hooks every parameter; later steps hook
+    those that needed a copy then, and copy any other one that comes back in another layout
+    (and hook it from then on)."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=2, size=32)
+    x = x.contiguous(memory_format=torch.channels_last)  # its convolutions' weight gradients: channels_last
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(
+        model, _with_problem_meta(problem, baselines.no_recompute(problem)), example_inputs=(x,)
+    )
+    assert_same_gradients(model, wrapped, x, "first step")
+    (learnt,) = wrapped.executor.relaid.values()
+    convs = {id(m.weight) for m in model.modules() if isinstance(m, nn.Conv2d)}
+    assert learnt and learnt <= convs, "the convolutions' weights, and only those, need a copy"
+    first = set(learnt)
+
+    def step_laid_out_as_params(what: str) -> None:
+        zero_grad(model)
+        loss_of(wrapped(x)).backward()
+        for name, p in model.named_parameters():
+            # (torch's layout contract: strides equal but on dimensions of one element)
+            strides = [(a, b) for a, b, n in zip(p.grad.stride(), p.stride(), p.shape) if n > 1]
+            assert all(a == b for a, b in strides), f"{what}: {name}'s gradient laid out unlike it"
+        zero_grad(model)
+
+    step_laid_out_as_params("replayed step")
+    assert learnt == first
+    learnt.clear()  # (as if the first step had seen none of them)
+    step_laid_out_as_params("replayed step, no parameter hooked")
+    assert learnt == first, "the gradients copied after the call are hooked from then on"
+    assert_same_gradients(model, wrapped, x, "replayed step")
+
+
 def test_a_channels_last_model_trains_within_its_memory_model(monkeypatch, tmp_path):
     """A model and input both channels_last (`model.to(memory_format=torch.channels_last)`, as
     torch recommends for convolutions on GPUs) solve at the lowest feasible budget and train with

@@ -201,6 +201,10 @@ class _StepRun:
     reuse: dict[tuple[int, int], str] | None = None
     decided: dict[tuple[int, int], str] = field(default_factory=dict)
     signature: tuple = ()
+    # parameters (id) whose gradient came laid out unlike them (`_laid_out_as_param`): learnt
+    # in the first step of an input signature, where every parameter's gradient is checked as
+    # the engine makes it; later steps hook those only
+    relaid: set[int] = field(default_factory=set)
     pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
     # nodes computed for a backward whose outputs need no gradient (their parameters frozen since
     # the schedule was solved): the gradients their readers make for them are dropped
@@ -410,6 +414,7 @@ class ScheduleExecutor:
         writes |= {(c, i) for c in self.restore_sources for i in self.plans[c].impls}
         # per input signature, the in-place decisions of a whole step (`_reuse_at`)
         self.reuse_decisions: dict[tuple, dict[tuple[int, int], str]] = {}
+        self.relaid: dict[tuple, set[int]] = {}  # per input signature, `_StepRun.relaid`
         self.set_groups(find_groups(schedule, users, writes) if _GROUPS else [])
         # called with a stage's index after its last step (`monet_opt.bench.measure_stage_peaks`)
         self.after_stage: Callable[[int], None] | None = None
@@ -421,6 +426,7 @@ class ScheduleExecutor:
     def set_groups(self, groups: list[Group]) -> None:
         """Run these groups' members with shared graphs (`find_groups`), every other node alone."""
         self.reuse_decisions.clear()  # (made with the previous groups' linked values)
+        self.relaid.clear()
         self.flat_lens: dict[tuple, dict[str, int]] = {}
         self.segments: dict[tuple, Segment | None] = {}
         self.groups = groups
@@ -814,10 +820,13 @@ class ScheduleExecutor:
             for p, _ in hooked:
                 p._backward_hooks = None
             # a gradient laid out unlike its parameter is copied as the engine makes it, where
-            # plain PyTorch's AccumulateGrad (and the profile) copies it (`_laid_out_as_param`)
-            relaid = [p for p in params if p.dim() > 1]
+            # plain PyTorch's AccumulateGrad (and the profile) copies it (`_laid_out_as_param`):
+            # a hook on each parameter in a signature's first step, later on those that needed
+            # it then (a hook costs ~50 us in the engine: 0.6 ms of a small GPT's backward)
+            learning = run.reuse is None
+            relaid = [p for p in params if p.dim() > 1 and (learning or id(p) in run.relaid)]
             for p in relaid:
-                p.register_hook(functools.partial(_laid_out_as_param, param=p))
+                p.register_hook(functools.partial(_laid_out_as_param, param=p, copied=run.relaid))
             try:
                 with autocast_regions.no_autocast(state.root.device.type):
                     got = torch.autograd.grad(state.root, [_ANCHOR, *params], seed, allow_unused=True)
@@ -829,6 +838,10 @@ class ScheduleExecutor:
             for param, g in zip(params, got[1:]):
                 if g is None:
                     continue
+                if not learning and param.dim() > 1 and id(param) not in run.relaid:
+                    # (a layout the first step did not see: copied now, hooked from now on)
+                    copy = _laid_out_as_param(g, param, run.relaid)
+                    g = g if copy is None else copy
                 prev = run.param_grads.get(id(param))
                 run.param_grads[id(param)] = g if prev is None else prev.add_(g)
         else:
@@ -910,6 +923,7 @@ class ScheduleExecutor:
             inputs={p.name: x for p, x in zip(self.placeholders, inputs)},
             reuse=self.reuse_decisions.get(signature),
             signature=signature,
+            relaid=self.relaid.get(signature, set()),
         )
         if run.reuse is not None:
             run.flat_len = dict(self.flat_lens[signature])
@@ -938,6 +952,7 @@ class ScheduleExecutor:
         input_grads.update({("param", k): v for k, v in run.param_grads.items()})
         if run.reuse is None:  # a whole step decided: replay its decisions from now on
             self.reuse_decisions[run.signature] = run.decided
+            self.relaid[run.signature] = run.relaid
             self.flat_lens[run.signature] = dict(run.flat_len)
         run.clear()
         return input_grads
@@ -1036,7 +1051,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _laid_out_as_param(g: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+def _laid_out_as_param(g: torch.Tensor | None, param: torch.Tensor, copied: set[int]) -> torch.Tensor | None:
     """A hook on `param` while the executor's backward call makes its gradient: a copy of g laid
     out as `param`, as the engine's AccumulateGrad makes one for `.grad` (torch's layout
     contract), where g's strides differ on a dimension of more than one element (a contiguous
@@ -1045,14 +1060,18 @@ def _laid_out_as_param(g: torch.Tensor | None, param: torch.Tensor) -> torch.Ten
     backward and as the profile measured it. Copied when the call returned, a group's
     gradients were held in both layouts (resnet18 b4 32x32, contiguous weights, channels_last
     input: 3.0 MB over the prediction); handed over at the end of the backward, each was copied
-    there (3.6 MB over)."""
+    there (3.6 MB over). A copy adds id(param) to `copied`."""
     if g is None or g.layout != torch.strided or param.layout != torch.strided:
         return None  # (None: the engine reached the parameter without a gradient)
     # (torch's own test, as AccumulateGrad's; 15-30 us in Python: contiguous params skip it)
     if not (param.is_contiguous() or is_non_overlapping_and_dense_or_false(param)):
-        return None if g.is_contiguous() else g.contiguous()
+        if g.is_contiguous():
+            return None
+        copied.add(id(param))
+        return g.contiguous()
     if all(a == b if n != 1 else a != 0 for a, b, n in zip(g.stride(), param.stride(), g.shape)):
         return None  # (torch's obeys_layout_contract)
+    copied.add(id(param))
     return torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device).copy_(g)
 
 
