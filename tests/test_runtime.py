@@ -573,6 +573,16 @@ def test_plain_runs_share_one_autograd_graph(monkeypatch):
     (group,) = wrapped.executor.groups
     assert set(group.members) == with_backward
     assert _backward_calls(wrapped, x, monkeypatch) == 1
+    # the steps of the group's backward range (its frees, its other members' backward steps) were
+    # done at its first member's backward step: not dispatched again
+    dispatched = []
+    real = wrapped.executor.backward
+    monkeypatch.setattr(
+        wrapped.executor, "backward", lambda run, name: (dispatched.append(name), real(run, name))
+    )
+    loss_of(wrapped(x)).backward()
+    zero_grad(wrapped)
+    assert len(dispatched) == 1, f"{len(dispatched)} backward steps dispatched after the group's"
     check_schedule("resnet18", schedule)
 
     schedule = baselines.chen_sqrt(problem)

@@ -206,6 +206,9 @@ class _StepRun:
     # the engine makes it; later steps hook those only
     relaid: set[int] = field(default_factory=set)
     pending: list[torch.Tensor] = field(default_factory=list)  # a running group's root inputs
+    # (stage, step): the steps up to it are done (a group's backward ran its range's frees and
+    # member backwards at its first member backward step)
+    done_to: tuple[int, int] = (-1, -1)
     # nodes computed for a backward whose outputs need no gradient (their parameters frozen since
     # the schedule was solved): the gradients their readers make for them are dropped
     without_graph: set[str] = field(default_factory=set)
@@ -759,6 +762,7 @@ class ScheduleExecutor:
                 else:
                     run.pop_state(node)
             state = run.pop_state(key)
+            run.done_to = group.last_backward
             members = group.members
             params = self.group_params[key]
         else:
@@ -1018,7 +1022,10 @@ class ScheduleExecutor:
         stage = self.schedule.stages[si]
         steps = stage.steps
         starts = self.stage_group_starts[si] if run.reuse is not None else ()
-        k = -1
+        done_stage, done_step = run.done_to
+        # (a group's backward done: the steps of its range are skipped, most of the backward
+        # stages of a schedule without recomputation)
+        k = -1 if done_stage < si else done_step if done_stage == si else len(steps)
         while k + 1 < len(steps):
             k += 1
             step = steps[k]

@@ -49,6 +49,9 @@ class Group:
     frees: tuple[
         tuple[str, str], ...
     ]  # (op, node) of the free steps after it, up to the last member backward's stage
+    # (stage, step) of the last member backward step: the steps after the first one, up to
+    # this one, are its frees and member backwards, all done at the first
+    last_backward: tuple[int, int]
 
 
 def find_groups(
@@ -130,4 +133,4 @@ def _group(steps, index, members: list[str], users, backward_at) -> Group:
         for m in members
         if any(u not in inside and (u == "output" or u in backward_at) for u in users.get(m, ()))
     )
-    return Group(tuple(members), external, first, frees)
+    return Group(tuple(members), external, first, frees, last)
