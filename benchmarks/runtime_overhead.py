@@ -15,6 +15,10 @@ Peaks: `monet_opt.bench.measure_step_peak`. Page faults: minor faults of one ste
 step of the same model (`monet_opt.bench.step_page_faults`): on CPU, memory glibc handed back
 to the kernel comes back as fresh zeroed pages, a cost that depends on the order of frees, not
 on the arithmetic; `--keep-freed-memory` (`monet_opt.malloc`) removes it for both models.
+`--bare` also times, paired with plain in rounds of their own, the structure of a wrapped step
+without the executor (`BareNested`: the model's own forward inside an autograd Function whose
+backward runs the engine again over it and hands the parameters' gradients back, as
+`MonetWrapper` does): what any wrapper built that way costs, the executor's share being the rest.
 Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
 """
 
@@ -41,7 +45,37 @@ from solver import baselines
 MiB = 2**20
 
 
-def measure(spec: ModelSpec, steps: int) -> dict:
+class _NestedStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, model: torch.nn.Module, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            out = model(x)
+        ctx.out, ctx.params = out, params
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, params = ctx.out, ctx.params
+        del ctx.out, ctx.params
+        got = torch.autograd.grad(out, params, grad, allow_unused=True)
+        return (None, None, *got)
+
+
+class BareNested(torch.nn.Module):
+    """`model` (one tensor in, one out) run as a wrapped step is structured, with no executor:
+    its forward inside an autograd Function, whose backward runs `autograd.grad` over the
+    forward's graph and hands the parameters' gradients back through the Function."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return _NestedStep.apply(self.model, x, *params)
+
+
+def measure(spec: ModelSpec, steps: int, bare: bool = False) -> dict:
     torch.manual_seed(0)
     model = spec.build().train()
     inputs = spec.example_inputs(torch.device("cpu"))
@@ -52,6 +86,9 @@ def measure(spec: ModelSpec, steps: int) -> dict:
     faults = (step_page_faults(model, inputs), step_page_faults(wrapped, inputs))
     plain_t, step_t = interleaved_samples(model, wrapped, inputs, steps)
     ratio, q1, q3 = paired_ratio(plain_t, step_t)
+    bare_ratio = None
+    if bare and len(inputs) == 1:
+        bare_ratio = paired_ratio(*interleaved_samples(model, BareNested(model), inputs, steps))
     return {
         "model": spec.describe(),
         "nodes": len(problem.nodes),
@@ -62,6 +99,7 @@ def measure(spec: ModelSpec, steps: int) -> dict:
         "ratio": (ratio, q1, q3),
         "min_ratio": min(step_t) / min(plain_t),
         "faults": faults,
+        "bare": bare_ratio,
     }
 
 
@@ -84,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="CPU: glibc keeps freed blocks for both models (no fresh pages per step; monet_opt.malloc)",
     )
+    ap.add_argument(
+        "--bare", action="store_true", help="also time BareNested (the structure without the executor)"
+    )
     args = ap.parse_args(argv)
     kept = "yes" if args.keep_freed_memory and keep_freed_memory() else "no"
 
@@ -93,13 +134,14 @@ def main(argv: list[str] | None = None) -> None:
             name, batch=args.batch, image=args.image, seq=args.seq, channels_last=args.channels_last
         )
         print(f"{spec.describe()} ...", flush=True)
-        r = measure(spec, args.steps)
+        r = measure(spec, args.steps, args.bare)
         rows.append(r)
         print(
             f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
             f"(paired {_overhead(r['ratio'])}; fastest steps {r['min_ratio'] - 1:+.1%}); "
             f"peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB; "
-            f"page faults {r['faults'][1]} vs {r['faults'][0]}",
+            f"page faults {r['faults'][1]} vs {r['faults'][0]}"
+            + (f"; bare nested step {_overhead(r['bare'])}" if r["bare"] else ""),
             flush=True,
         )
 
@@ -112,14 +154,15 @@ def main(argv: list[str] | None = None) -> None:
         f"glibc keeps freed memory: {kept})",
         "",
         "| model | nodes | plain ms | wrapped ms | overhead (paired median, quartiles) | fastest vs fastest "
-        "| plain MiB | wrapped MiB | plain page faults | wrapped page faults |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| plain MiB | wrapped MiB | plain page faults | wrapped page faults | bare nested step (paired) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
             f"{_overhead(r['ratio'])} | {r['min_ratio'] - 1:+.1%} | "
-            f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} | {r['faults'][0]} | {r['faults'][1]} |"
+            f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} | {r['faults'][0]} | {r['faults'][1]} | "
+            f"{_overhead(r['bare']) if r['bare'] else 'not run'} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
