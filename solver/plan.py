@@ -111,7 +111,9 @@ class Analysis:
         for i in self.outputs:
             if self.rb[i] and nodes[i].output_grad:  # (the user's loss gives it a gradient)
                 grads.slot[i] = grads.new(nodes[i].grad_bytes)
-                grads.holders[grads.slot[i]].update({("engine", i), ("slot", i)})
+                grads.holders[grads.slot[i]].update({("loss", i), ("slot", i)})  # (to i's backward's end)
+                grads.loss[i] = grads.slot[i]
+                grads.loss_made.add(grads.slot[i])
         pgrad = 0
         self.stage_const: list[int] = []  # fixed + user-held outputs + live grads + param grads
         self.bwd_extra_base: list[int] = []  # new input grads + param grads of t (transient)
@@ -145,7 +147,7 @@ class Analysis:
                 if all(a is None for a in after)
                 else [nodes[t].param_grad_bytes if a is None else a for a in after]
             )
-            self.fed_shared[t] = len(grads.holders[grads.slot[t]]) > 1
+            self.fed_shared[t] = grads.shared(grads.slot[t])
             receive = set.intersection(*(self._receivers(t, im) for im in self.impls[t]))
             copies = any(im.grad_in_place is not None for im in self.impls[t])
             self._backward_buffers(grads, t, receive, copies)
@@ -157,7 +159,7 @@ class Analysis:
         most bytes live while a sum is made into a new buffer (None: none is)."""
         nodes = self.problem.nodes
         own = grads.slot.pop(t)
-        fed = grads.new(nodes[t].grad_bytes) if copies and len(grads.holders[own]) > 1 else own
+        fed = grads.new(nodes[t].grad_bytes) if copies and grads.shared(own) else own
         grads.holders[fed].add(("fed", t))
         grads.release(own, ("slot", t))
         made = [
@@ -179,6 +181,8 @@ class Analysis:
                 grads.release(prev, ("slot", j))
             grads.release(b, ("new", j))
         grads.release(fed, ("fed", t))
+        if t in grads.loss:  # (an output's: the buffer the loss made, let go)
+            grads.release(grads.loss.pop(t), ("loss", t))
         return peak
 
     def _receivers(self, t: int, im) -> set[int]:
@@ -287,6 +291,8 @@ class _GradBuffers:
         self.slot: dict[int, int] = {}
         self.size: dict[int, int] = {}
         self.holders: dict[int, set] = {}
+        self.loss: dict[int, int] = {}  # output -> the buffer the loss made, held until it is fed
+        self.loss_made: set[int] = set()  # the buffers the loss made (never written into)
         self.live = 0
         self.made = 0
 
@@ -295,6 +301,11 @@ class _GradBuffers:
         self.size[self.made], self.holders[self.made] = nbytes, set()
         self.live += nbytes
         return self.made
+
+    def shared(self, b: int) -> bool:
+        """Buffer b is copied before an in-place backward writes into it: something else holds
+        it, or the loss made it."""
+        return len(self.holders[b]) > 1 or b in self.loss_made
 
     def release(self, b: int, token) -> None:
         self.holders[b].discard(token)
@@ -306,6 +317,7 @@ class _GradBuffers:
         other = _GradBuffers()
         other.slot, other.size = dict(self.slot), dict(self.size)
         other.holders = {b: set(h) for b, h in self.holders.items()}
+        other.loss, other.loss_made = dict(self.loss), set(self.loss_made)
         other.live, other.made = self.live, self.made
         return other
 

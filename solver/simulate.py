@@ -24,9 +24,12 @@ batch are not counted. Live at any moment is the sum of:
 * gradients -- the gradient of a node's output (`grad_bytes`) is a buffer made by
   the first backward that produces it and released by the node's own backward.
   Gradients of the model's outputs are made by the user's loss, at the start of the
-  first backward stage, and stay to the end of the step (the autograd engine holds
-  them while the wrapper's backward runs); an output whose `output_grad` is False (the
-  loss does not read it) gets none. A buffer may be several nodes' gradient at
+  first backward stage, and held (as the buffer the loss made) until the output node's
+  backward ends, so an output's gradient is shared until then (summed into a new buffer);
+  then freed as any other once nothing holds it (the runtime may free it sooner). A buffer the
+  loss made is never written into: an in-place backward fed it (the output's, or a
+  view's input's, handed it on) gets a copy.
+  An output whose `output_grad` is False (the loss does not read it) gets none. A buffer may be several nodes' gradient at
   once (an addition hands its gradient to both arguments): its bytes count once, while
   anything holds it.
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
@@ -126,6 +129,8 @@ class _Replay:
         self.grads: dict[str, int] = {}
         self.grad_bufs: dict[int, tuple[int, set]] = {}
         self.next_grad = 0
+        self.loss_grads: dict[str, int] = {}  # output -> the gradient buffer the loss made, still held
+        self.loss_made: set[int] = set()  # the buffers the loss made (never written into)
         self.backed: set[str] = set()
         self.live = problem.fixed_bytes
         self.peak = self.live
@@ -231,9 +236,11 @@ class _Replay:
         for n in self.p.nodes:
             if n.is_output and n.output_grad and n.requires_backward and n.name not in self.grads:
                 buf = self._new_grad(n.grad_bytes)
-                self._grad_hold(buf, ("engine", n.name))  # held to the end of the step
+                self._grad_hold(buf, ("loss", n.name))  # to the end of n's backward
                 self._grad_hold(buf, ("slot", n.name))
                 self.grads[n.name] = buf
+                self.loss_grads[n.name] = buf
+                self.loss_made.add(buf)
         self._bump()
 
     def _compute(
@@ -349,8 +356,9 @@ class _Replay:
         impl = self.states[node.name][0]
         own = self.grads.pop(node.name)
         fed = own
-        if impl.grad_in_place is not None and len(self.grad_bufs[own][1]) > 1:
+        if impl.grad_in_place is not None and (len(self.grad_bufs[own][1]) > 1 or own in self.loss_made):
             fed = self._new_grad(node.grad_bytes)  # shared: the runtime copies it first
+            self._bump()  # (beside the original, which may go with its slot below)
         self._grad_hold(fed, ("fed", node.name))
         self._grad_release(own, ("slot", node.name))  # out of its slot before the backward runs
         receive = set(impl.grad_shared) | ({impl.grad_in_place} - {None})
@@ -378,6 +386,8 @@ class _Replay:
                 self._grad_release(prev, ("slot", name))
             self._grad_release(buf, ("new", name))  # (added into prev in place, or now prev)
         self._grad_release(fed, ("fed", node.name))
+        if node.name in self.loss_grads:  # (an output's: the buffer the loss made, let go)
+            self._grad_release(self.loss_grads.pop(node.name), ("loss", node.name))
         if node.param_grad_freed_bytes or node.param_step_bytes:  # optimizer step, then free
             self._bump(node.param_step_bytes)
             self.live -= node.param_grad_freed_bytes

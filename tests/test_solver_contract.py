@@ -316,11 +316,12 @@ def test_simulator_counts_a_gradient_buffer_an_addition_hands_to_both_inputs_onc
     sched = _schedule([Step("compute", x, "d", True) for x in "acsb"], "bsca")
     shared = simulate(problem((1,)), sched)
     separate = simulate(problem(()), sched)
-    # forward 304 (a, c, s, b); backward b: + loss gradient 4 + s's gradient 100
-    assert _stage_ends(shared) == [304, 408, 408, 408, 308]
-    assert _stage_ends(separate) == [304, 408, 508, 408, 308]
-    # c's backward: 408 + a's new gradient 100 + their sum 100 (a's gradient is shared with c)
-    assert shared.peak_bytes == 608 and separate.peak_bytes == 608
+    # forward 304 (a, c, s, b); backward b: + s's gradient 100 (the loss's gradient for b, 4,
+    # fed to b's backward and let go after it)
+    assert _stage_ends(shared) == [304, 404, 404, 404, 304]
+    assert _stage_ends(separate) == [304, 404, 504, 404, 304]
+    # c's backward: 404 + a's new gradient 100 + their sum 100 (a's gradient is shared with c)
+    assert shared.peak_bytes == 604 and separate.peak_bytes == 604
     # the MILP's constants follow the same count (an upper bound of it, exact here)
     for p, sim in ((problem((1,)), shared), (problem(()), separate)):
         out = solve(p, sim.peak_bytes, time_limit=10, verbose=False, window=None)
@@ -329,8 +330,8 @@ def test_simulator_counts_a_gradient_buffer_an_addition_hands_to_both_inputs_onc
 
 def test_simulator_hands_a_views_gradient_on_without_copying_it():
     """v = r.view(...) is the model output: its backward hands the loss's gradient buffer to r
-    (`grad_shared` without `grad_in_place`: nothing is written into it, so nothing is copied,
-    though the engine holds it). r's in-place backward then copies that shared buffer. Hand-counted;
+    (`grad_shared` without `grad_in_place`: nothing is written into it, so nothing is copied).
+    r's in-place backward then copies it (a buffer the loss made is never written into). Hand-counted;
     `grad_shared=()` (a new buffer for r) for comparison."""
     from solver import Impl, Node
 
@@ -367,9 +368,11 @@ def test_simulator_hands_a_views_gradient_on_without_copying_it():
     shared = simulate(problem((0,)), sched)
     separate = simulate(problem(()), sched)
     # forward 200 (a, r; v is a view); backward v: + the loss's gradient 100, which r receives
-    # (shared) or beside which r gets a new 100 (separate); r: its copy of the shared buffer
-    assert _stage_ends(shared) == [200, 300, 400, 300]
-    assert _stage_ends(separate) == [200, 400, 400, 300]
+    # (shared) or beside which r gets a new 100 (separate; the loss's is let go after v's
+    # backward); r: a copy of the loss's buffer (never written into), which then goes
+    assert _stage_ends(shared) == [200, 300, 300, 200]
+    assert shared.peak_bytes == 400  # (r's copy beside the loss's buffer)
+    assert _stage_ends(separate) == [200, 300, 300, 200]
     assert Problem.from_dict(problem((0,)).to_dict()) == problem((0,))
     for p, sim in ((problem((0,)), shared), (problem(()), separate)):
         out = solve(p, sim.peak_bytes, time_limit=10, verbose=False, window=None)

@@ -12,8 +12,9 @@ The executor follows `solver.simulate`'s memory model step by step:
   on the detached leaves and are added into the producers' gradients; parameter
   gradients accumulate into `.grad` as in plain PyTorch. An implementation with an
   in-place gradient (`grad_in_place`) overwrites the gradient it is fed, so it gets
-  a buffer nobody else holds: a model output's gradient (the engine holds it) or a
-  gradient shared with another slot is copied first, as the memory model says.
+  a buffer nobody else holds: a model output's gradient (the loss made it, and the user
+  may hold it) or a gradient shared with another slot is copied first, as the memory
+  model says.
 * runs of nodes the schedule treats as plain PyTorch would (computed once with
   autograd, backward steps back to back; `runtime/groups.py`) share one connected graph
   and one `autograd.grad` call instead: the per-node objects and calls cost ~0.1 ms each;
@@ -212,6 +213,9 @@ class _StepRun:
     # nodes computed for a backward whose outputs need no gradient (their parameters frozen since
     # the schedule was solved): the gradients their readers make for them are dropped
     without_graph: set[str] = field(default_factory=set)
+    # the model outputs' gradients as the loss made them, held until their node's backward is
+    # fed (an output's gradient is shared until then: a consumer's is summed into a new buffer)
+    loss_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
         """flat: value's flattened leaves, if the caller has them."""
@@ -258,6 +262,7 @@ class _StepRun:
             self.pending,
             self.memos,
             self.param_left,
+            self.loss_grads,
         ):
             held.clear()
 
@@ -793,6 +798,8 @@ class ScheduleExecutor:
     ) -> None:
         """Run the backward of a node's (or a group's) local graph. stepped: given with the
         optimizer step in the backward, gets the parameters read (and maybe stepped) inside."""
+        for m in members:  # (fed now: the loss's own buffers are let go)
+            run.loss_grads.pop(m, None)
         if state is None:
             grads = [run.grads.pop(m, None) for m in members if m not in run.without_graph]
             if any(g is not None and any(x is not None for x in g) for g in grads):
@@ -901,7 +908,8 @@ class ScheduleExecutor:
     def _owned(self, run: _StepRun, name: str, g: torch.Tensor) -> bool:
         """g (name's gradient, already taken out of its slot) may be overwritten: no other slot
         holds its storage, it is dense, and it is not a model output's or a view of one (the
-        engine holds those: a view or identity node hands its input the output's gradient)."""
+        loss made those, and the user may hold them: `out.retain_grad()`; a view or identity
+        node hands its input the output's gradient)."""
         if any(src == name for src, _ in run.output_map) or storage_key(g) in run.output_grad_keys:
             return False
         if not gradient_spans_storage(g):
@@ -944,12 +952,17 @@ class ScheduleExecutor:
         return run, flat, spec
 
     def run_backward(self, run: _StepRun, output_grads: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """output_grads: the gradients of the model's outputs, taken over (the list is emptied):
+        each is held until its node's backward is fed, then goes as the memory model says."""
         run.output_grad_keys = {storage_key(g) for g in output_grads if g is not None}
         for (src, pos), g in zip(run.output_map, output_grads):
             if g is None or src not in self.plans:
                 continue
             slots = run.grads.setdefault(src, [None] * run.flat_len[src])
             slots[pos] = g if slots[pos] is None else slots[pos] + g
+            run.loss_grads.setdefault(src, []).append(g)
+        output_grads.clear()
+        g = slots = None  # (no handle of an output's gradient left here through the backward)
         for si in range(1, len(self.schedule.stages)):
             self._run_stage(run, si, recompute=True)
         input_grads = run.input_grads

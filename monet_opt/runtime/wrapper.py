@@ -34,7 +34,35 @@ _STEP_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 class _SpecBox:
+    """What `_ScheduledStep` and `_Stash` of one step hand each other: the outputs' structure,
+    the outputs (forward) and their gradients (backward)."""
+
     spec: Any = None
+    outs: tuple | None = None
+    grads: list | None = None
+
+
+class _Stash(torch.autograd.Function):
+    """The step's outputs, after `_ScheduledStep`, which returns a token: their gradients (the
+    user's loss made them) reach this backward, which hands them over in `box` and returns
+    the token's. The engine lets go of its inputs when a backward returns and holds those of
+    the node it runs to the end: had `_ScheduledStep` taken them, it would have held every
+    output's gradient through the whole schedule's backward (the memory model frees it after
+    its node's backward, as plain PyTorch does: the test GPT's logits, 4 MiB of 47)."""
+
+    @staticmethod
+    def forward(ctx, box: _SpecBox, token: torch.Tensor):
+        ctx.box = box
+        ctx.token = (token.dtype, token.device)
+        ctx.set_materialize_grads(False)  # (an output the loss does not read: None)
+        outs, box.outs = box.outs, None
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.box.grads = list(grads)
+        dtype, device = ctx.token
+        return None, torch.empty(0, dtype=dtype, device=device)
 
 
 class _ScheduledStep(torch.autograd.Function):
@@ -67,10 +95,14 @@ class _ScheduledStep(torch.autograd.Function):
         # outputs the loop drops before the backward (`build_problem`'s outputs_held="loss"):
         # watched, so that one still held when the backward starts is reported
         ctx.dropped = [(k, weakref.ref(outs[k])) for k in dropped if isinstance(outs[k], torch.Tensor)]
-        return outs
+        ctx.box = box
+        box.outs = outs
+        device = next((t.device for t in outs if isinstance(t, torch.Tensor)), None)
+        return torch.empty(0, device=device)  # (the token `_Stash` takes: on the outputs' device)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, _token):
+        grads, ctx.box.grads = ctx.box.grads, None  # (the outputs' gradients, from `_Stash`)
         if ctx.run is None:
             raise RuntimeError(
                 "monet-opt: a wrapped forward's backward runs once (the schedule frees what it used "
@@ -93,7 +125,7 @@ class _ScheduledStep(torch.autograd.Function):
         _warn_if_held(ctx.dropped)
         ctx.dropped = []
         with _autocast(ctx.autocast):
-            input_grads = ctx.executor.run_backward(ctx.run, list(grads))
+            input_grads = ctx.executor.run_backward(ctx.run, grads)  # (which empties grads)
         ctx.run = None
         names = [p.name for p in ctx.executor.placeholders]
         params, ctx.params = ctx.params, None
@@ -480,7 +512,7 @@ class MonetWrapper(nn.Module):
             self._refuse_unfrozen()
         trainable = [p for p in self._all_params if p.requires_grad]
         params = trainable if self.steps is None else [_STEP_ANCHOR]
-        flat = _ScheduledStep.apply(
+        token = _ScheduledStep.apply(
             executor,
             box,
             self.grad_outputs,
@@ -490,6 +522,7 @@ class MonetWrapper(nn.Module):
             *inputs,
             *params,
         )
+        flat = _Stash.apply(box, token)
         out = tree_unflatten(list(flat), box.spec)
         if self._root is not None:  # the model's own output structure (a ModelOutput)
             return tree_unflatten(list(out), self._root.out_spec)
