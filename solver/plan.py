@@ -291,8 +291,8 @@ class _GradBuffers:
         self.slot: dict[int, int] = {}
         self.size: dict[int, int] = {}
         self.holders: dict[int, set] = {}
-        self.loss: dict[int, int] = {}  # output -> the buffer the loss made, held until it is fed
-        self.loss_made: set[int] = set()  # the buffers the loss made (never written into)
+        self.loss: dict[int, int] = {}  # output -> the buffer the loss made, held to its backward's end
+        self.loss_made: set[int] = set()  # the buffers the loss made (an in-place backward copies them)
         self.live = 0
         self.made = 0
 
@@ -304,7 +304,7 @@ class _GradBuffers:
 
     def shared(self, b: int) -> bool:
         """Buffer b is copied before an in-place backward writes into it: something else holds
-        it, or the loss made it."""
+        it, or the loss made it (the user may hold it)."""
         return len(self.holders[b]) > 1 or b in self.loss_made
 
     def release(self, b: int, token) -> None:

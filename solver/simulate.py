@@ -25,13 +25,13 @@ batch are not counted. Live at any moment is the sum of:
   the first backward that produces it and released by the node's own backward.
   Gradients of the model's outputs are made by the user's loss, at the start of the
   first backward stage, and held (as the buffer the loss made) until the output node's
-  backward ends, so an output's gradient is shared until then (summed into a new buffer);
-  then freed as any other once nothing holds it (the runtime may free it sooner). A buffer the
-  loss made is never written into: an in-place backward fed it (the output's, or a
-  view's input's, handed it on) gets a copy.
-  An output whose `output_grad` is False (the loss does not read it) gets none. A buffer may be several nodes' gradient at
-  once (an addition hands its gradient to both arguments): its bytes count once, while
-  anything holds it.
+  backward ends, so an output's gradient is shared until then (a consumer's gradient is
+  summed into a new buffer); then freed as any other once nothing holds it (the runtime
+  may free it sooner). An in-place backward (`grad_in_place`) fed a buffer the loss made
+  (the output's own, or handed on by a view) gets a copy: the user may hold that buffer.
+  An output whose `output_grad` is False (the loss does not read it) gets none. A buffer
+  may be several nodes' gradient at once (an addition hands its gradient to both
+  arguments): its bytes count once, while anything holds it.
 * parameter gradients -- `param_grad_bytes` of a node are allocated by its
   backward and stay to the end of the step (zero_grad(set_to_none=True)), except
   `param_grad_freed_bytes` of a node (optimizer step inside the backward): freed right
@@ -130,7 +130,7 @@ class _Replay:
         self.grad_bufs: dict[int, tuple[int, set]] = {}
         self.next_grad = 0
         self.loss_grads: dict[str, int] = {}  # output -> the gradient buffer the loss made, still held
-        self.loss_made: set[int] = set()  # the buffers the loss made (never written into)
+        self.loss_made: set[int] = set()  # the buffers the loss made (an in-place backward copies them)
         self.backed: set[str] = set()
         self.live = problem.fixed_bytes
         self.peak = self.live
