@@ -331,7 +331,7 @@ def test_simulator_counts_a_gradient_buffer_an_addition_hands_to_both_inputs_onc
 def test_simulator_hands_a_views_gradient_on_without_copying_it():
     """v = r.view(...) is the model output: its backward hands the loss's gradient buffer to r
     (`grad_shared` without `grad_in_place`: nothing is written into it, so nothing is copied).
-    r's in-place backward then copies it (a buffer the loss made is never written into). Hand-counted;
+    r's in-place backward then copies it (an in-place backward copies a buffer the loss made). Hand-counted;
     `grad_shared=()` (a new buffer for r) for comparison."""
     from solver import Impl, Node
 
@@ -369,7 +369,7 @@ def test_simulator_hands_a_views_gradient_on_without_copying_it():
     separate = simulate(problem(()), sched)
     # forward 200 (a, r; v is a view); backward v: + the loss's gradient 100, which r receives
     # (shared) or beside which r gets a new 100 (separate; the loss's is let go after v's
-    # backward); r: a copy of the loss's buffer (never written into), which then goes
+    # backward); r: a copy of the loss's buffer (an in-place backward never writes into it)
     assert _stage_ends(shared) == [200, 300, 300, 200]
     assert shared.peak_bytes == 400  # (r's copy beside the loss's buffer)
     assert _stage_ends(separate) == [200, 300, 300, 200]
