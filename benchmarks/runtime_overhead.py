@@ -18,7 +18,10 @@ on the arithmetic; `--keep-freed-memory` (`monet_opt.malloc`) removes it for bot
 `--bare` also times, paired with plain in rounds of their own, the structure of a wrapped step
 without the executor (`BareNested`: the model's own forward inside an autograd Function whose
 backward runs the engine again over it and hands the parameters' gradients back, as
-`MonetWrapper` does): what any wrapper built that way costs, the executor's share being the rest.
+`MonetWrapper` does for a schedule that recomputes): what any wrapper built that way costs.
+Such a schedule runs in the caller's graph (`ScheduleExecutor.attachable`: column "runs");
+`--nested` also times it through the wrapper's own backward (`MONET_OPT_ATTACHED=0`), paired
+with plain in rounds of its own.
 Writes DIR/runtime_overhead.md. Target (issue 5): within 3 % of plain.
 """
 
@@ -38,7 +41,7 @@ import torch
 from monet_opt.bench import interleaved_samples, measure_step_peak, paired_ratio, step_page_faults
 from monet_opt.malloc import keep_freed_memory
 from monet_opt.profile import build_problem
-from monet_opt.runtime import MonetWrapper
+from monet_opt.runtime import MonetWrapper, executor
 from monet_opt.zoo import ModelSpec
 from solver import baselines
 
@@ -75,12 +78,14 @@ class BareNested(torch.nn.Module):
         return _NestedStep.apply(self.model, x, *params)
 
 
-def measure(spec: ModelSpec, steps: int, bare: bool = False) -> dict:
+def measure(spec: ModelSpec, steps: int, bare: bool = False, nested: bool = False) -> dict:
     torch.manual_seed(0)
     model = spec.build().train()
     inputs = spec.example_inputs(torch.device("cpu"))
     problem = build_problem(model, inputs, progress=False)
-    wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=inputs)
+    schedule = baselines.no_recompute(problem)
+    wrapped = MonetWrapper(model, schedule, example_inputs=inputs)
+    runs = "attached" if wrapped._attaches(wrapped.executor) else "nested"
     plain_peak = measure_step_peak(model, inputs)
     peak = measure_step_peak(wrapped, inputs)
     faults = (step_page_faults(model, inputs), step_page_faults(wrapped, inputs))
@@ -89,6 +94,14 @@ def measure(spec: ModelSpec, steps: int, bare: bool = False) -> dict:
     bare_ratio = None
     if bare and len(inputs) == 1:
         bare_ratio = paired_ratio(*interleaved_samples(model, BareNested(model), inputs, steps))
+    nested_ratio = None
+    if nested:
+        executor._ATTACHED = False
+        try:
+            through = MonetWrapper(model, schedule, example_inputs=inputs)
+        finally:
+            executor._ATTACHED = True
+        nested_ratio = paired_ratio(*interleaved_samples(model, through, inputs, steps))
     return {
         "model": spec.describe(),
         "nodes": len(problem.nodes),
@@ -100,6 +113,8 @@ def measure(spec: ModelSpec, steps: int, bare: bool = False) -> dict:
         "min_ratio": min(step_t) / min(plain_t),
         "faults": faults,
         "bare": bare_ratio,
+        "runs": runs,
+        "nested": nested_ratio,
     }
 
 
@@ -125,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--bare", action="store_true", help="also time BareNested (the structure without the executor)"
     )
+    ap.add_argument(
+        "--nested", action="store_true", help="also time the schedule through the wrapper's own backward"
+    )
     args = ap.parse_args(argv)
     kept = "yes" if args.keep_freed_memory and keep_freed_memory() else "no"
 
@@ -134,14 +152,15 @@ def main(argv: list[str] | None = None) -> None:
             name, batch=args.batch, image=args.image, seq=args.seq, channels_last=args.channels_last
         )
         print(f"{spec.describe()} ...", flush=True)
-        r = measure(spec, args.steps, args.bare)
+        r = measure(spec, args.steps, args.bare, args.nested)
         rows.append(r)
         print(
             f"  plain {r['plain_s'] * 1e3:.1f} ms, wrapped {r['step_s'] * 1e3:.1f} ms "
             f"(paired {_overhead(r['ratio'])}; fastest steps {r['min_ratio'] - 1:+.1%}); "
             f"peak {r['peak'] / MiB:.1f} vs {r['plain_peak'] / MiB:.1f} MiB; "
             f"page faults {r['faults'][1]} vs {r['faults'][0]}"
-            + (f"; bare nested step {_overhead(r['bare'])}" if r["bare"] else ""),
+            + (f"; bare nested step {_overhead(r['bare'])}" if r["bare"] else "")
+            + (f"; through the wrapper's backward {_overhead(r['nested'])}" if r["nested"] else ""),
             flush=True,
         )
 
@@ -153,16 +172,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the end; "
         f"glibc keeps freed memory: {kept})",
         "",
-        "| model | nodes | plain ms | wrapped ms | overhead (paired median, quartiles) | fastest vs fastest "
-        "| plain MiB | wrapped MiB | plain page faults | wrapped page faults | bare nested step (paired) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | nodes | runs | plain ms | wrapped ms | overhead (paired median, quartiles) | fastest vs fastest "
+        "| plain MiB | wrapped MiB | plain page faults | wrapped page faults | bare nested step (paired) "
+        "| through the wrapper's backward (paired) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['nodes']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
+            f"| {r['model']} | {r['nodes']} | {r['runs']} | {r['plain_s'] * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
             f"{_overhead(r['ratio'])} | {r['min_ratio'] - 1:+.1%} | "
             f"{r['plain_peak'] / MiB:.1f} | {r['peak'] / MiB:.1f} | {r['faults'][0]} | {r['faults'][1]} | "
-            f"{_overhead(r['bare']) if r['bare'] else 'not run'} |"
+            f"{_overhead(r['bare']) if r['bare'] else 'not run'} | "
+            f"{_overhead(r['nested']) if r['nested'] else 'not run'} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

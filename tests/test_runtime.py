@@ -566,6 +566,7 @@ def test_plain_runs_share_one_autograd_graph(monkeypatch):
     from monet_opt.runtime import executor
 
     monkeypatch.setattr(executor, "_GROUPS", True)
+    monkeypatch.setattr(executor, "_ATTACHED", False)  # (the wrapper's own backward; attached: below)
     model, x, problem = setup("resnet18")
     schedule = baselines.no_recompute(problem)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
@@ -599,6 +600,53 @@ def test_plain_runs_share_one_autograd_graph(monkeypatch):
     singles = len(with_backward - grouped)
     assert _backward_calls(wrapped, x, monkeypatch) <= len(groups) + singles < len(with_backward) / 2
     check_schedule("resnet18", schedule)
+
+
+def test_a_schedule_without_recomputation_runs_in_the_callers_graph(monkeypatch):
+    """Nothing recomputed and the whole model one group: the wrapper builds the model's graph in
+    the caller's (its outputs are the model's own autograd nodes), and the backward is the
+    engine's alone (no executor backward step runs): plain PyTorch's gradients, dropout and all,
+    in the recorded step and the replayed one; a parameter's hook runs once; plain's peak.
+    MONET_OPT_ATTACHED=0 runs it through the wrapper's own backward, as a schedule
+    that recomputes does."""
+    from monet_opt.runtime import executor
+
+    model, x = models.gpt(batch=2, seq=32)  # (dropout 0.1)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    schedule = _with_problem_meta(problem, baselines.no_recompute(problem))
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert wrapped.executor.attachable
+
+    def no_backward_step(run, name):
+        raise AssertionError(f"the executor ran {name!r}'s backward")
+
+    monkeypatch.setattr(wrapped.executor, "backward", no_backward_step)
+    head = model.lm_head.weight
+    seen = []
+    handle = head.register_hook(lambda g: seen.append(1))
+    for step in ("recorded", "replayed"):
+        torch.manual_seed(3)
+        out = wrapped(x)
+        assert type(out.grad_fn).__name__ == "UnsafeViewBackward0", type(out.grad_fn).__name__
+        del out
+        seen.clear()
+        assert_same_gradients(model, wrapped, x, f"attached, {step} step")
+        assert len(seen) == 1, f"{step}: the parameter's hook ran {len(seen)} times"
+    handle.remove()
+    peak, _ = measure_step(wrapped, (x,), steps=1)
+    plain_peak, _ = measure_step(copy.deepcopy(model), (x,), steps=1)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    # (at this size the prediction is ~0.1 MB over plain's peak, whichever way the step runs)
+    assert peak == plain_peak and peak <= predicted, (
+        f"measured {peak}, plain {plain_peak}, predicted {predicted}"
+    )
+
+    monkeypatch.setattr(executor, "_ATTACHED", False)
+    nested = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert not nested.executor.attachable
+    assert type(nested(x).grad_fn).__name__ == "_StashBackward"
+    assert_same_gradients(model, nested, x, "through the wrapper's backward")
 
 
 def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch):
@@ -1182,14 +1230,39 @@ def test_a_parameter_the_loss_does_not_reach_keeps_no_gradient(optimizer):
     assert not torch.equal(model.main.weight, _TwoHeads().main.weight)  # (it did train)
 
 
-def test_a_second_backward_and_higher_order_gradients_are_clear_errors():
+def test_a_second_backward_and_higher_order_gradients_are_clear_errors(monkeypatch):
+    """Through the wrapper's own backward (a schedule that recomputes), a second backward and
+    create_graph=True are refused, naming why; a schedule without recomputation runs in the
+    caller's graph, where both do what they do in plain PyTorch."""
+    from monet_opt.runtime import executor
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     x = torch.randn(4, 8, requires_grad=True)
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    wrapped = MonetWrapper(
-        model, solver.solve(problem, 1.0, time_limit=3, verbose=False), example_inputs=(x,)
-    )
+    schedule = solver.solve(problem, 1.0, time_limit=3, verbose=False)
+    attached = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert attached.executor.attachable
+    for _ in range(2):  # (the first step decides, the second replays)
+        (got,) = torch.autograd.grad(attached(x).sum(), x, create_graph=True)
+        (want,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        (got2,) = torch.autograd.grad(got.square().sum(), x)
+        (want2,) = torch.autograd.grad(want.square().sum(), x)
+        torch.testing.assert_close(got2, want2, rtol=0, atol=0)
+    zero_grad(model)
+    loss = attached(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()  # (plain PyTorch's: accumulated twice)
+    twice = [p.grad.clone() for p in model.parameters()]
+    zero_grad(model)
+    model(x).sum().backward()
+    for a, b in zip(twice, model.parameters()):
+        torch.testing.assert_close(a, 2 * b.grad, rtol=1e-6, atol=0)
+    zero_grad(model)
+
+    monkeypatch.setattr(executor, "_ATTACHED", False)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     loss = wrapped(x).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True and a second backward"):
@@ -1773,12 +1846,16 @@ def test_gradients_laid_out_unlike_their_parameters_are_learnt_in_the_first_step
     engine makes it, through a hook on the parameter (`_laid_out_as_param`). A hook costs ~50 us
     in the engine, so only a signature's first step hooks every parameter; later steps hook
     those that needed a copy then, and copy any other one that comes back in another layout
-    (and hook it from then on)."""
+    (and hook it from then on). (Without recomputation the wrapper runs attached, where the
+    engine's AccumulateGrad copies them, as in plain PyTorch: checked too.)"""
+    from monet_opt.runtime import executor
+
     monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
     torch.manual_seed(0)
     model, x = models.resnet18(batch=2, size=32)
     x = x.contiguous(memory_format=torch.channels_last)  # its convolutions' weight gradients: channels_last
     problem = build_problem(model, (x,), progress=False, repeats=1)
+    monkeypatch.setattr(executor, "_ATTACHED", False)
     wrapped = MonetWrapper(
         model, _with_problem_meta(problem, baselines.no_recompute(problem)), example_inputs=(x,)
     )
@@ -1803,6 +1880,15 @@ def test_gradients_laid_out_unlike_their_parameters_are_learnt_in_the_first_step
     step_laid_out_as_params("replayed step, no parameter hooked")
     assert learnt == first, "the gradients copied after the call are hooked from then on"
     assert_same_gradients(model, wrapped, x, "replayed step")
+
+    monkeypatch.setattr(executor, "_ATTACHED", True)
+    wrapped = MonetWrapper(
+        model, _with_problem_meta(problem, baselines.no_recompute(problem)), example_inputs=(x,)
+    )
+    assert wrapped.executor.attachable
+    step_laid_out_as_params("attached, first step")
+    step_laid_out_as_params("attached, replayed step")
+    assert not wrapped.executor.relaid, "attached: the engine lays them out, nothing learnt"
 
 
 def test_a_channels_last_model_trains_within_its_memory_model(monkeypatch, tmp_path):

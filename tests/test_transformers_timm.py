@@ -334,6 +334,13 @@ def test_hugging_face_model_by_keyword_trains_on_its_own_loss():
         (out.loss + out.logits.mean()).backward()
     with pytest.raises(ValueError, match="traced with use_cache=False"):
         wrapped(input_ids=ids, labels=ids, use_cache=True)
+    # at plain's peak nothing is recomputed: the step runs in the caller's graph
+    # (`ScheduleExecutor.attachable`), which refuses the logits' gradient the same way
+    _, _, attached = check_own_loss(model, inputs, 1.0, "gpt2, nothing recomputed")
+    assert attached.executor.attachable
+    out = attached(input_ids=ids, labels=ids)
+    with pytest.raises(RuntimeError, match="grad_outputs='all'"):
+        (out.loss + out.logits.mean()).backward()
     # solved for every output, the logits' gradient is counted and a loss may read them
     every = build_problem(model, inputs, progress=False, repeats=1, grad_outputs="all")
     assert all(n.output_grad for n in every.nodes)

@@ -29,7 +29,14 @@ The executor follows `solver.simulate`'s memory model step by step:
   saved-tensor hooks and counted storage handles; later steps replay its decisions and
   track nothing (`_reuse_at`);
 * in those later steps each group's forward span runs as one generated function
-  (`runtime/segments.py`), the interpreter's Python per node gone (small GPT: ~12 -> ~3 µs).
+  (`runtime/segments.py`), the interpreter's Python per node gone (small GPT: ~12 -> ~3 µs);
+* a schedule that runs the whole model as plain PyTorch would (nothing recomputed, every
+  node with a backward in one group: `ScheduleExecutor.attachable`) can run *attached*
+  (`run_forward(..., attached=True)`): the group's graph reads the model's inputs and
+  parameters directly and its outputs are returned as they are, so the user's backward is
+  the engine's own, plain PyTorch's, with no executor backward at all. The wrapper does so
+  when nothing else needs its autograd node (`MonetWrapper._attaches`): the wrapper's
+  Function and its nested engine call cost 1-3 % of a small GPT's step.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ from solver.schedule import Schedule
 _GROUPS = os.environ.get("MONET_OPT_GROUPS", "1") == "1"
 # their forwards run as generated functions (runtime/segments.py) unless MONET_OPT_SEGMENTS=0
 _SEGMENTS = os.environ.get("MONET_OPT_SEGMENTS", "1") == "1"
+# a schedule without recomputation runs attached to the caller's graph unless MONET_OPT_ATTACHED=0
+_ATTACHED = os.environ.get("MONET_OPT_ATTACHED", "1") == "1"
 
 
 class ScheduleRuntimeError(RuntimeError):
@@ -216,6 +225,9 @@ class _StepRun:
     # the model outputs' gradients as the loss made them, held until their node's backward is
     # fed (an output's gradient is shared until then: a consumer's is summed into a new buffer)
     loss_grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # run attached (`ScheduleExecutor.run_forward`): the group's inputs read directly, its
+    # members' outputs kept in `linked` (graph attached) to the forward's end
+    attached: bool = False
 
     def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
         """flat: value's flattened leaves, if the caller has them."""
@@ -462,6 +474,22 @@ class ScheduleExecutor:
         ]
         if self.param_step is not None:
             self._count_param_readers()
+        self.attachable = _ATTACHED and self._one_plain_graph()
+
+    def _one_plain_graph(self) -> bool:
+        """The schedule runs the model as plain PyTorch would: nothing computed in a backward
+        stage, and every node computed with autograd, or with a backward step, a member of
+        one group. Its graph can then be the caller's (`run_forward`'s attached)."""
+        if len(self.groups) != 1 or self.restore_impls:
+            return False
+        members = set(self.groups[0].members)
+        for si, stage in enumerate(self.schedule.stages):
+            for step in stage.steps:
+                if step.op == "compute" and (si > 0 or (step.grad and step.node not in members)):
+                    return False
+                if step.op == "backward" and step.node not in members:
+                    return False
+        return True
 
     def separate_graphs(self) -> None:
         """Give every node its own graph and backward call again (no groups): per-node timing
@@ -535,9 +563,14 @@ class ScheduleExecutor:
                 ]
                 return _unflatten(dense, spec)
             value = self._value_of(run, arg)
-            if arg.op == "get_attr":
-                return value
+            if arg.op == "get_attr" or (run.attached and arg.op == "placeholder"):
+                return value  # (attached: the model's input itself, in the caller's graph)
             flat, spec = _flatten(value)
+            if run.attached and any(self.needs_leaf(run, arg, t) for t in flat):
+                raise ScheduleRuntimeError(
+                    f"node {node.name!r} reads {arg.name!r}, which needs a gradient and is not a "
+                    "member of the schedule's one group: it cannot run attached"
+                )
             out = []
             for pos, t in enumerate(flat):
                 if self.needs_leaf(run, arg, t):
@@ -685,6 +718,9 @@ class ScheduleExecutor:
             new = saved - state.saved
             state.saved |= new
             run.saved_refs.update(new)
+        if run.attached:  # (the caller's graph: no root; outputs read from `linked`)
+            run.linked[name] = out
+            return
         if name in group.external:
             state.outputs += [(name, i) for i, _ in outs]
             run.pending += [t for _, t in outs]
@@ -927,19 +963,38 @@ class ScheduleExecutor:
         return prev + g if shared else prev.add_(g)
 
     # -- whole step ----------------------------------------------------------------
-    def run_forward(self, inputs: tuple) -> tuple[_StepRun, list[torch.Tensor], Any]:
+    def run_forward(self, inputs: tuple, attached: bool = False) -> tuple[_StepRun, list[torch.Tensor], Any]:
+        """attached (an `attachable` schedule, called with grad enabled): the forward builds
+        the caller's graph, connected to the inputs and parameters, and returns the outputs
+        in it; the step is then done (nothing held: the returned run is empty), the backward
+        is the engine's own."""
         if len(inputs) != len(self.placeholders):
             raise ScheduleRuntimeError(f"the model takes {len(self.placeholders)} inputs, got {len(inputs)}")
+        if attached and not self.attachable:
+            raise ScheduleRuntimeError("this schedule recomputes or runs nodes alone: it cannot run attached")
         signature = _signature(inputs)
         run = _StepRun(
             inputs={p.name: x for p, x in zip(self.placeholders, inputs)},
             reuse=self.reuse_decisions.get(signature),
             signature=signature,
             relaid=self.relaid.get(signature, set()),
+            attached=attached,
         )
         if run.reuse is not None:
             run.flat_len = dict(self.flat_lens[signature])
         self._run_stage(run, 0, recompute=False)
+        if attached:
+            linked = run.linked
+            outputs = fx.node.map_arg(
+                self.output_node.args[0],
+                lambda n: linked[n.name] if n.name in linked else self._value_of(run, n),
+            )
+            if run.reuse is None:  # (every decision is the forward's: nothing is recomputed)
+                self.reuse_decisions[signature] = run.decided
+                self.flat_lens[signature] = dict(run.flat_len)
+            run.clear()
+            flat, spec = tree_flatten(outputs)
+            return run, flat, spec
         outputs = fx.node.map_arg(self.output_node.args[0], lambda n: self._value_of(run, n))
         flat, spec = tree_flatten(outputs)
         node_leaves, _ = tree_flatten(self.output_node.args[0])
@@ -977,12 +1032,12 @@ class ScheduleExecutor:
     def _segment(self, run: _StepRun, si: int, k: int) -> Segment | None:
         """The generated function for the group whose first member stage si's step k computes
         (`runtime/segments.py`), built on the first replayed step of this input signature."""
-        key = (run.signature, si, k)
+        key = (run.signature, si, k, run.attached)
         if key not in self.segments:
             segment = None
             if _SEGMENTS:
                 try:
-                    segment = build_segment(self, run, si, k, self.group_starts[(si, k)])
+                    segment = build_segment(self, run, si, k, self.group_starts[(si, k)], run.attached)
                 except Exception as err:  # (fx could not generate it: the interpreter runs the span)
                     warnings.warn(
                         f"monet-opt: the forward of the group starting at {self.group_starts[(si, k)].members[0]!r} "
@@ -1006,6 +1061,9 @@ class ScheduleExecutor:
         n_held = len(segment.held)
         for name, value in zip(segment.held, out[:n_held]):
             run.put_detached(name, *_flatten(value))
+        if run.attached:  # (the caller's graph: the outputs as they are, no root)
+            run.linked.update(zip(segment.external, out[n_held:]))
+            return
         key = self.group_key[group.members[0]]
         state = _State(None, _GradBox(), [], leaves, set(self.group_in_place[key]))
         pending = []

@@ -113,9 +113,11 @@ def _replaying_runner(impl, plan, name: str, recompute: bool, grad: bool, rng):
     return run_replaying
 
 
-def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
+def build_segment(executor, run, si: int, start: int, group, attached: bool = False) -> Segment | None:
     """The generated function for the span of stage si from step `start` (the group's first
-    member compute) to its last member's compute, or None if the span cannot be one call."""
+    member compute) to its last member's compute, or None if the span cannot be one call.
+    attached (`ScheduleExecutor.run_forward`'s): the model's inputs are read as they are, in
+    the caller's graph, not through leaves; a span needing any other leaf is not built."""
     from monet_opt.runtime.executor import (
         _ANCHOR,
         _SLICING_BACKWARD,
@@ -194,7 +196,11 @@ def build_segment(executor, run, si: int, start: int, group) -> Segment | None:
                     return graph.call_function(dense, (value,))
                 return value
             value = loaded[arg.name]
+            if attached and arg.op == "placeholder":
+                return value
             if grad and arg.op != "get_attr" and _needs_leaf(executor, run, arg):
+                if attached:
+                    raise _NotPlain
                 return graph.call_function(_leaf_maker(arg.name, _GradBox, _Leaf, _ANCHOR), (leaves, value))
             return value
 

@@ -117,11 +117,7 @@ class _ScheduledStep(torch.autograd.Function):
         if ctx.grad_outputs is not None:
             extra = [k for k, g in enumerate(grads) if g is not None and k not in ctx.grad_outputs]
             if extra:
-                raise RuntimeError(
-                    f"monet-opt: the loss reads output {extra[0]} of the wrapped model, but the schedule "
-                    f"was solved for a loss reading only output(s) {ctx.grad_outputs} (the model's own "
-                    "loss): train on that loss, or solve with grad_outputs='all'"
-                )
+                raise RuntimeError(_unsolved_message(extra[0], ctx.grad_outputs))
         _warn_if_held(ctx.dropped)
         ctx.dropped = []
         with _autocast(ctx.autocast):
@@ -139,6 +135,38 @@ class _ScheduledStep(torch.autograd.Function):
             *[input_grads.get(n) for n in names],
             *[input_grads.get(("param", id(p))) for p in params],
         )
+
+
+def _refuse_unsolved_gradients(flat: list, grad_outputs: list[int]) -> list:
+    """In the caller's graph, an output the schedule's loss does not read comes through
+    `_Unsolved`, which refuses a gradient (as `_ScheduledStep.backward` does: its memory was not
+    counted). Not a hook on the output: the model's own loss reads it inside (a Hugging Face
+    model's logits), and that gradient is the schedule's."""
+    return [
+        _Unsolved.apply(t, k, grad_outputs)
+        if k not in grad_outputs and isinstance(t, torch.Tensor) and t.requires_grad
+        else t
+        for k, t in enumerate(flat)
+    ]
+
+
+class _Unsolved(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, k: int, grad_outputs: list[int]) -> torch.Tensor:
+        ctx.k, ctx.grad_outputs = k, grad_outputs
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        raise RuntimeError(_unsolved_message(ctx.k, ctx.grad_outputs))
+
+
+def _unsolved_message(k: int, grad_outputs: list[int]) -> str:
+    return (
+        f"monet-opt: the loss reads output {k} of the wrapped model, but the schedule was solved "
+        f"for a loss reading only output(s) {grad_outputs} (the model's own loss): train on that "
+        "loss, or solve with grad_outputs='all'"
+    )
 
 
 def _warn_if_held(dropped: list[tuple[int, weakref.ref]]) -> None:
@@ -504,29 +532,52 @@ class MonetWrapper(nn.Module):
                     "or solve with inputs laid out so"
                 )
         device_type = inputs[0].device.type if inputs and isinstance(inputs[0], torch.Tensor) else "cpu"
-        box = _SpecBox()
-        # the parameters, whose gradients leave through the step's node; with the optimizer step
-        # in the backward none do (each steps inside it), and an anchor stands in so the outputs
-        # require grad: given the parameters, the engine ran their hooks a second time, on None
         if any(p.requires_grad and not t for p, t in zip(self._all_params, self._solved_trainable)):
             self._refuse_unfrozen()
-        trainable = [p for p in self._all_params if p.requires_grad]
-        params = trainable if self.steps is None else [_STEP_ANCHOR]
-        token = _ScheduledStep.apply(
-            executor,
-            box,
-            self.grad_outputs,
-            self.dropped_outputs,
-            self._checked_autocast(device_type),
-            len(inputs),
-            *inputs,
-            *params,
-        )
-        flat = _Stash.apply(box, token)
-        out = tree_unflatten(list(flat), box.spec)
+        autocast = self._checked_autocast(device_type)
+        if self._attaches(executor):
+            # nothing recomputed, the model one plain graph: built in the caller's graph, whose
+            # backward is then the engine's own, as plain PyTorch's (`ScheduleExecutor.run_forward`)
+            with _autocast(autocast):
+                _, flat, spec = executor.run_forward(inputs, attached=True)
+            if self.grad_outputs is not None:
+                flat = _refuse_unsolved_gradients(flat, self.grad_outputs)
+            out = tree_unflatten(flat, spec)
+        else:
+            box = _SpecBox()
+            # the parameters, whose gradients leave through the step's node; with the optimizer
+            # step in the backward none do (each steps inside it), and an anchor stands in so the
+            # outputs require grad: given the parameters, the engine ran their hooks a second
+            # time, on None
+            trainable = [p for p in self._all_params if p.requires_grad]
+            params = trainable if self.steps is None else [_STEP_ANCHOR]
+            token = _ScheduledStep.apply(
+                executor,
+                box,
+                self.grad_outputs,
+                self.dropped_outputs,
+                autocast,
+                len(inputs),
+                *inputs,
+                *params,
+            )
+            flat = _Stash.apply(box, token)
+            out = tree_unflatten(list(flat), box.spec)
         if self._root is not None:  # the model's own output structure (a ModelOutput)
             return tree_unflatten(list(out), self._root.out_spec)
         return out
+
+    def _attaches(self, executor: ScheduleExecutor) -> bool:
+        """Whether this step runs in the caller's graph (`ScheduleExecutor.attachable`): not
+        with the optimizer step in the backward (the executor's backward steps it), outputs
+        dropped before the backward (the wrapper's node warns of one still held) or a stage
+        timer (`monet_opt.bench`)."""
+        return (
+            executor.attachable
+            and self.steps is None
+            and not self.dropped_outputs
+            and executor.after_stage is None
+        )
 
     def _refuse_unfrozen(self) -> None:
         solved = {id(p) for p, t in zip(self._all_params, self._solved_trainable) if t}
