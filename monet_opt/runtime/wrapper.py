@@ -291,7 +291,9 @@ class MonetWrapper(nn.Module):
     the schedule was solved for; or example_inputs: tensors of those shapes (a tuple), or
     by keyword (a dict, as the schedule was solved with: `monet_opt.keyword_inputs`; the
     wrapper then returns the model's own output structure, a Hugging Face ModelOutput).
-    In eval mode, or under no_grad, the model runs plainly. An input smaller than the solved
+    In eval mode, or under no_grad, the model runs plainly. A schedule that recomputes nothing,
+    the whole model one shared graph (`ScheduleExecutor.attachable`), runs in the caller's
+    autograd graph: its backward is plain PyTorch's (`_attaches`). An input smaller than the solved
     one (no dimension larger: an epoch's last batch, a shorter sequence) runs the schedule
     too, once its traced graph is checked to run as the model at that shape (where the trace
     fixed the shape, as Hugging Face models' do, the model is traced again at it, once per
