@@ -2,8 +2,10 @@
 implementations: through the wrapper's backward) against the default no-recompute schedule
 (runs in the caller's graph), each paired with plain PyTorch (`bench_model`), twice in turn.
 
-    python benchmarks/results/session49/milp_vs_plain_at_1.py  # output: milp_vs_plain_at_1.txt
+    python benchmarks/results/session49/milp_vs_plain_at_1.py [--calibrate]  # output: milp_vs_plain_at_1.txt
 """
+
+import sys
 
 import torch
 
@@ -19,8 +21,20 @@ spec = ModelSpec("resnet50", batch=8, image=224)
 torch.manual_seed(0)
 model = spec.build().train()
 inputs = spec.example_inputs()
-problem = build_problem(model, inputs, progress=False)
+problem = build_problem(model, inputs, progress=False, calibrate="--calibrate" in sys.argv)
 milp = solver.solve(problem, 1.0, time_limit=20, verbose=False)
+writers = sorted({im.name for n in problem.nodes for im in n.impls if im.grad_in_place is not None})
+chosen = sorted(
+    {st.impl for stg in milp.stages for st in stg.steps if st.op == "compute" and st.impl != "default"}
+)
+print(
+    "calibrated:",
+    "--calibrate" in sys.argv,
+    "chosen:",
+    chosen,
+    "gradient writers among them:",
+    sorted(set(chosen) & set(writers)),
+)
 defaults = baselines.no_recompute(problem)
 print("predicted s: milp", milp.predicted_time_s, "defaults", solver.simulate(problem, defaults).time_s)
 runs = (("milp 1.0", milp), ("no_recompute default", defaults)) * 2
