@@ -96,11 +96,11 @@ def measure(spec: ModelSpec, steps: int, bare: bool = False, nested: bool = Fals
         bare_ratio = paired_ratio(*interleaved_samples(model, BareNested(model), inputs, steps))
     nested_ratio = None
     if nested:
-        executor._ATTACHED = False
+        attached, executor._ATTACHED = executor._ATTACHED, False
         try:
             through = MonetWrapper(model, schedule, example_inputs=inputs)
         finally:
-            executor._ATTACHED = True
+            executor._ATTACHED = attached
         nested_ratio = paired_ratio(*interleaved_samples(model, through, inputs, steps))
     return {
         "model": spec.describe(),
