@@ -649,10 +649,14 @@ def test_a_schedule_without_recomputation_runs_in_the_callers_graph(monkeypatch)
     assert_same_gradients(model, nested, x, "through the wrapper's backward")
 
 
-def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch):
+def test_gradient_writing_implementations_share_a_graph_where_their_gradient_is_their_own(monkeypatch):
     """An implementation that writes into the gradient it is fed (bit-mask ReLU, in-place-gradient
-    BatchNorm) keeps its own graph: inside a shared one, autograd may hand that buffer to a
-    second branch too (a residual add passes its gradient on to both inputs)."""
+    BatchNorm) shares a graph where the engine hands it a buffer nobody else holds
+    (`ScheduleExecutor._own_gradients`): a ReLU read by a convolution, a BatchNorm read by such
+    a ReLU, a block's output read twice. One read only by a residual addition keeps its own
+    graph: the addition hands the same buffer to the other branch too. Gradients as plain's,
+    peak as predicted; without recomputation and with every writer's gradient its own, the
+    schedule runs in the caller's graph."""
     from monet_opt.runtime import executor
 
     monkeypatch.setattr(executor, "_GROUPS", True)
@@ -667,8 +671,49 @@ def test_gradient_writing_implementations_stay_out_of_shared_graphs(monkeypatch)
     schedule = baselines.no_recompute(problem, impls=pick)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     members = {m for g in wrapped.executor.groups for m in g.members}
-    assert members and not members & set(pick)
+    # (torchvision's BasicBlock: bn2 is read only by the residual addition)
+    alone = {n for n in pick if n.endswith("bn2")}
+    assert alone and not members & alone
+    assert {"relu", "bn1", "layer1_0_bn1", "layer1_0_relu", "layer1_0_relu_1"} <= members
+    assert not wrapped.executor.attachable
     check_schedule("resnet18", schedule)
+
+    relus = {n: i for n, i in pick.items() if "relu" in n}
+    schedule = baselines.no_recompute(problem, impls=relus)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert wrapped.executor.attachable
+    assert type(wrapped(x).grad_fn).__name__ == "AddmmBackward0"
+    check_schedule("resnet18", schedule)
+    x = x.detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph=True.*'inplace_grad'"):
+        torch.autograd.grad(wrapped(x).sum(), x, create_graph=True)
+
+
+class _ReluIntoAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        r = torch.relu(h)  # read only by the addition: its gradient is the addition's, shared
+        return self.b(r + h)
+
+
+@pytest.mark.parametrize("impl", ["bitmask", "inplace_grad", "input_activated"])
+def test_a_gradient_writer_read_by_an_addition_alone_keeps_its_own_graph(impl):
+    """The addition hands one buffer to both its inputs: a ReLU writing into it would change
+    the other input's gradient. It keeps its own graph (its fed gradient copied as the memory
+    model says), the rest shares one; gradients as plain's."""
+    torch.manual_seed(0)
+    model, x = _ReluIntoAdd().train(), torch.randn(4, 32)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    relu = next(n.name for n in problem.nodes if n.name.startswith("relu"))
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem, {relu: impl}), example_inputs=(x,))
+    members = {m for g in wrapped.executor.groups for m in g.members}
+    assert members and relu not in members
+    assert_same_gradients(model, wrapped, x, impl)
 
 
 class _ReluView(nn.Module):
@@ -822,8 +867,13 @@ def test_shared_graph_sums_the_gradient_of_an_outside_input_once(monkeypatch):
     torch.manual_seed(0)
     model, x = _Fork(), torch.randn(2, 3, 32, 32)
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    # the ReLU writes into its gradient, so it stays out of the group: h comes from outside
     schedule = baselines.no_recompute(problem, impls={"relu": "inplace_grad"})
+    # (its gradient is its own, three reads: the ReLU writing into it shares the graph too)
+    joined = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert "relu" in joined.executor.groups[0].members
+    _check_not_above_prediction(model, joined, x, problem, schedule)
+    # the ReLU kept out of the group (as every gradient writer was before): h comes from outside
+    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: set())
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     (group,) = wrapped.executor.groups
     assert {"a", "b", "c"} <= set(group.members) and "relu" not in group.members
@@ -899,9 +949,12 @@ def test_gradient_of_an_outside_input_is_added_when_made(monkeypatch):
     torch.manual_seed(0)
     model, x = _ForkAfterReader(), torch.randn(2, 3, 8, 8)
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    # the ReLUs write into their gradient, so they stay out of groups: x comes from outside
     relus = {n.name: "inplace_grad" for n in problem.nodes if n.op == "relu"}
     schedule = baselines.no_recompute(problem, impls=relus)
+    joined = MonetWrapper(model, schedule, example_inputs=(x,))  # (a ReLU whose gradient is its own joins)
+    _check_not_above_prediction(model, joined, x, problem, schedule)
+    # the ReLUs kept out of groups (as every gradient writer was before): x comes from outside
+    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: set())
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     (group,) = wrapped.executor.groups
     assert {"q", "m"} <= set(group.members) and not set(relus) & set(group.members)

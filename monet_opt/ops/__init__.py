@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from . import activation, attention, conv, elementwise, linear, norm, pool
 from .base import DEFAULT, Implementation, call_target
@@ -42,6 +44,7 @@ __all__ = [
     "describe_registry",
     "family_of",
     "implementations_for",
+    "makes_gradients",
 ]
 
 
@@ -67,6 +70,35 @@ def passes_gradient(op: str, target: Any) -> bool:
     if op == "call_method":
         return target in _PASS_THROUGH_METHODS
     return op == "call_function" and any(target is f for f in _PASS_THROUGH_FUNCTIONS)
+
+
+# families whose backward makes a new buffer for every input's gradient (their implementations
+# that write into the gradient they are fed, `grad_in_place`, hand that buffer on instead)
+_NEW_GRADIENT_FAMILIES = ("activation", "norm", "pool", "conv", "linear")
+
+
+_NEW_GRADIENT_MODULES = (
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+)
+_NEW_GRADIENT_FUNCTIONS = (F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d)
+
+
+def makes_gradients(op: str, target: Any) -> bool:
+    """The op's default backward makes each input's gradient in a new buffer: never the
+    gradient it is fed, nor a view of it (a convolution, a norm, a pooling, a ReLU)."""
+    if op == "call_module" and isinstance(target, _NEW_GRADIENT_MODULES):
+        return True
+    if op == "call_function" and any(target is f for f in _NEW_GRADIENT_FUNCTIONS):
+        return True
+    return family_of(op, target) in _NEW_GRADIENT_FAMILIES
 
 
 _SHARING_FUNCTIONS = (operator.add, operator.iadd, torch.add)

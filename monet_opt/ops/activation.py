@@ -24,7 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Implementation
-from .common import first_tensor, inverse, memory_order, out_of_place_default, pack_bits, unpack_bits
+from .common import (
+    first_tensor,
+    inverse,
+    memory_order,
+    out_of_place_default,
+    pack_bits,
+    refuse_higher_order,
+    unpack_bits,
+)
 
 # ------------------------------------------------------------------ autograd functions
 
@@ -97,6 +105,7 @@ class ReLUInplaceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_higher_order("inplace_grad")
         (y,) = ctx.saved_tensors
         grad = _laid_out_as(grad, y.stride())
         return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
@@ -114,6 +123,7 @@ class ReLUInputActivated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_higher_order("input_activated")
         (x,) = ctx.saved_tensors
         # grad where x > 0, else 0: where relu(x) > 0, which is torch's relu backward
         grad = _laid_out_as(grad, ctx.stride)
@@ -132,6 +142,7 @@ class ReLUBitmask(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_higher_order("bitmask")
         (packed,) = ctx.saved_tensors
         return _masked_grad(grad, packed, ctx)
 
@@ -151,6 +162,7 @@ class HardtanhBitmask(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_higher_order("bitmask")
         (packed,) = ctx.saved_tensors
         return _masked_grad(grad, packed, ctx), None, None
 

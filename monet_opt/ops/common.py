@@ -299,3 +299,14 @@ def unpack_bits(packed: torch.Tensor, numel: int, shape: torch.Size) -> torch.Te
     else:
         bits = packed.unsqueeze(1).bitwise_and(_bit_weights(packed.device)).ne(0).view(-1)
     return bits[:numel].view(shape)
+
+
+def refuse_higher_order(impl: str) -> None:
+    """Called first in the backward of an implementation that writes into the gradient it is
+    fed: that backward cannot be differentiated again (`create_graph=True`)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"monet-opt: higher-order gradients (create_graph=True) through the {impl!r} implementation "
+            "are not supported: its backward writes into the gradient it is fed; solve with the default "
+            "implementations (solver.baselines.no_recompute) or use the plain model for them"
+        )

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Implementation
-from .common import bind, first_tensor
+from .common import bind, first_tensor, refuse_higher_order
 
 BN_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)  # incl. Lazy variants
 _NormBase = nn.modules.batchnorm._NormBase  # batch norms (incl. SyncBatchNorm) and instance norms
@@ -185,6 +185,7 @@ class BatchNormInplaceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_higher_order("inplace_grad")
         x, mean, invstd, weight, bias = ctx.saved_tensors
         nd = x.dim()
         stat = invstd.dtype
@@ -223,6 +224,7 @@ class BatchNormOutputActivated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_higher_order("output_activated")
         saved = ctx.saved_tensors
         y, invstd, weight, bias = saved[:4]
         nd = y.dim()

@@ -57,7 +57,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from monet_opt import autocast_regions, input_layout, module_state
-from monet_opt.ops import implementations_for, passes_gradient
+from monet_opt.ops import implementations_for, makes_gradients, passes_gradient
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
 from monet_opt.runtime.groups import Group, find_groups
@@ -421,12 +421,14 @@ class ScheduleExecutor:
             for n in gm.graph.nodes
             if n.name in self.plans
         }
-        # implementations that write into the gradient they are fed stay alone: inside a shared
-        # graph the engine may hand that buffer to another branch too (add's pass-through does)
+        # implementations that write into the gradient they are fed stay alone, unless that
+        # gradient is the node's own inside any graph (`_own_gradients`): in a shared graph the
+        # engine may hand the buffer to another branch too (add's pass-through does)
+        own = self._own_gradients()
         writes = {
             (n, i)
             for n, plan in self.plans.items()
-            if not passes_gradient(plan.node.op, plan.target)
+            if not passes_gradient(plan.node.op, plan.target) and n not in own
             for i, impl in plan.impls.items()
             if impl.grad_in_place
         }
@@ -442,6 +444,48 @@ class ScheduleExecutor:
         self.has_backward = {
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
         }
+
+    def _own_gradients(self) -> set[str]:
+        """Nodes whose output's gradient, as the autograd engine hands it to their backward in
+        a shared graph, is a buffer nobody else holds, so an implementation may write into it.
+
+        Counted are the reads by nodes with a backward step. A gradient summed from two or more
+        is one: the engine adds in place only into a buffer it alone holds, else into a new
+        one. So is a gradient with none (fed at the group's edge, from the model's output or
+        nodes outside the group, and copied there unless owned: `_owned`). One read alone by a
+        node whose backward makes new input gradients (`makes_gradients`) is one too, and so,
+        handed on, is the gradient such a node writes into, if its own output's gradient is
+        one. Anything else (an addition's pass-through, a view's gradient, an unknown op) is
+        not."""
+        backs = {s.node for st in self.schedule.stages for s in st.steps if s.op == "backward"}
+        writers = {
+            s.node
+            for st in self.schedule.stages
+            for s in st.steps
+            if s.op == "compute" and s.grad and self.plans[s.node].impls[s.impl].grad_in_place
+        }
+        memo: dict[str, bool] = {}
+
+        def owns(name: str) -> bool:
+            if name not in memo:
+                memo[name] = False  # (a DAG has no cycles; a guard all the same)
+                node = self.plans[name].node
+                reads = [
+                    u
+                    for u in node.users
+                    if u.name in backs
+                    for a in tree_flatten((u.args, u.kwargs))[0]
+                    if a is node
+                ]
+                if len(reads) != 1:
+                    memo[name] = True
+                else:
+                    u = reads[0]
+                    if makes_gradients(u.op, self.plans[u.name].target):
+                        memo[name] = u.name not in writers or owns(u.name)
+            return memo[name]
+
+        return {n for n in self.plans if owns(n)}
 
     def set_groups(self, groups: list[Group]) -> None:
         """Run these groups' members with shared graphs (`find_groups`), every other node alone."""
