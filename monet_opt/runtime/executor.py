@@ -14,7 +14,8 @@ The executor follows `solver.simulate`'s memory model step by step:
   in-place gradient (`grad_in_place`) overwrites the gradient it is fed, so it gets
   a buffer nobody else holds: a model output's gradient (the loss made it, and the user
   may hold it) or a gradient shared with another slot is copied first, as the memory
-  model says.
+  model says. Inside a shared graph (below) such a node runs only where the engine always
+  hands it a buffer of its own (`_own_gradients`);
 * runs of nodes the schedule treats as plain PyTorch would (computed once with
   autograd, backward steps back to back; `runtime/groups.py`) share one connected graph
   and one `autograd.grad` call instead: the per-node objects and calls cost ~0.1 ms each;

@@ -13,7 +13,9 @@ whose state is not needed, do not interrupt it), whose nodes each
 * are computed with autograd once (here), and have one backward step, after it, and no
   `free_state` before that backward step;
 * have no implementation that writes into the gradient it is fed (in a shared graph the
-  engine may hand that buffer to another branch too; add's pass-through is fine);
+  engine may hand that buffer to another branch too; add's pass-through is fine), unless
+  the engine always hands that node a buffer nobody else holds
+  (`ScheduleExecutor._own_gradients`: a ReLU read by a convolution, a block output read twice);
 
 and whose backward steps follow each other with nothing in between but frees (no compute,
 no backward of another node), after the backward of every node outside the group that
