@@ -18,6 +18,7 @@ from monet_opt.pipeline import _with_problem_meta
 from monet_opt.profile import build_problem
 from monet_opt.runtime import InputShapeMismatch, MonetWrapper
 from monet_opt.runtime import wrapper as wrapper_module
+from monet_opt.runtime.segments import RELU_INPLACE_GRAD
 from solver import baselines
 from solver.schedule import FingerprintMismatch, ScheduleError
 from tests import models
@@ -683,6 +684,9 @@ def test_gradient_writing_implementations_share_a_graph_where_their_gradient_is_
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     assert wrapped.executor.attachable
     assert type(wrapped(x).grad_fn).__name__ == "AddmmBackward0"
+    # (and those ReLUs run in place where their input is freed right after, as the default does)
+    (decisions,) = wrapped.executor.reuse_decisions.values()
+    assert RELU_INPLACE_GRAD in decisions.values()
     check_schedule("resnet18", schedule)
     x = x.detach().requires_grad_()
     with pytest.raises(RuntimeError, match="create_graph=True.*'inplace_grad'"):

@@ -111,6 +111,23 @@ class ReLUInplaceGrad(torch.autograd.Function):
         return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
 
 
+class ReLUInplaceGradInPlace(ReLUInplaceGrad):
+    """`ReLUInplaceGrad` computed into its input's storage: the runtime's choice where the
+    schedule frees the input right after and nothing else holds it (`ScheduleExecutor._may_reuse`),
+    as it runs torch's ReLU in place there."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        y = torch.relu_(x)
+        ctx.save_for_backward(y)
+        return y
+
+
+def relu_inplace_grad_(x: torch.Tensor) -> torch.Tensor:
+    return ReLUInplaceGradInPlace.apply(x)
+
+
 class ReLUInputActivated(torch.autograd.Function):
     """ReLU keeping its input; the backward overwrites the incoming gradient."""
 

@@ -59,10 +59,11 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 from monet_opt import autocast_regions, input_layout, module_state
 from monet_opt.ops import implementations_for, makes_gradients, passes_gradient
+from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
 from monet_opt.runtime.groups import Group, find_groups
-from monet_opt.runtime.segments import Segment, build_segment
+from monet_opt.runtime.segments import RELU_INPLACE_GRAD, Segment, build_segment
 from monet_opt.storage import gradient_spans_storage, only_reference, spans_storage, storage_key
 from solver.schedule import Schedule
 
@@ -654,7 +655,8 @@ class ScheduleExecutor:
         recompute: bool,
         reuse: str | None = None,
     ) -> None:
-        """reuse: 'relu' / 'add' to run the default in place on the first input (`_reuse_at`)."""
+        """reuse: 'relu' / 'add' to run the default in place on the first input, RELU_INPLACE_GRAD
+        the ReLU's 'inplace_grad' (`_reuse_at`)."""
         if impl_name in self.restore_impls:
             self._restore(run, name, consumer_of(impl_name))
             return
@@ -742,6 +744,8 @@ class ScheduleExecutor:
     ):
         if reuse == "relu":
             return torch.relu_(args[0])
+        if reuse == RELU_INPLACE_GRAD:
+            return relu_inplace_grad_(args[0])
         if reuse == "add":
             return args[0].add_(args[1])
         extra = {"memo": run.memos.setdefault(name, {})} if impl.replays and plan.again else {}
@@ -1129,9 +1133,12 @@ class ScheduleExecutor:
         if run.reuse is not None:
             return run.reuse.get((si, k))
         plan = self.plans[name]
-        if impl_name == "default" and self._may_reuse(run, plan, self.freed_after[si][k]):
-            run.decided[(si, k)] = plan.reuse
-            return plan.reuse
+        kind = plan.reuse if impl_name == "default" else None
+        if impl_name == "inplace_grad" and plan.reuse == "relu":
+            kind = RELU_INPLACE_GRAD  # (that ReLU's own form, in place: its backward is the same)
+        if kind is not None and self._may_reuse(run, plan, self.freed_after[si][k]):
+            run.decided[(si, k)] = kind
+            return kind
         return None
 
     def _run_stage(self, run: _StepRun, si: int, recompute: bool) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import DEFAULT
 
 
@@ -53,6 +54,10 @@ class Segment:
 
 def _clear(values: list) -> None:
     values.clear()
+
+
+# the in-place decision (`ScheduleExecutor._reuse_at`) for a ReLU run with "inplace_grad"
+RELU_INPLACE_GRAD = "relu_inplace_grad"
 
 
 def _relu_(x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +220,8 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
         # a recomputed ReLU checked for replay first ran out of place, 2 MiB over VGG's prediction)
         if reuse == "relu":
             new = graph.call_function(_relu_, (args[0],))
+        elif reuse == RELU_INPLACE_GRAD:
+            new = graph.call_function(relu_inplace_grad_, (args[0],))
         elif reuse == "add":
             new = graph.call_function(_add_, (args[0], args[1]))
         elif plan.random or (impl.replays and plan.again):
