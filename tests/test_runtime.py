@@ -705,6 +705,47 @@ class _ReluIntoAdd(nn.Module):
         return self.b(r + h)
 
 
+class _ReluIntoAddAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x: torch.Tensor):
+        h = self.a(x)
+        r = torch.relu(h)  # read by the addition (its buffer shared with h) and by a head
+        return self.b(r + h), self.c(r)
+
+
+@pytest.mark.parametrize("attached", [True, False])
+def test_a_gradient_writer_summing_an_additions_gradient_is_guarded(monkeypatch, attached):
+    """A ReLU read by an addition and by a head shares the graph (two reads: the engine sums
+    them into a buffer of its own). If the loss then ignores the head, the addition's shared
+    buffer is all that comes: a hook copies it before the ReLU writes into it, so h's
+    gradient stays right, in the caller's graph and through the wrapper's backward alike."""
+    from monet_opt.runtime import executor
+
+    monkeypatch.setattr(executor, "_ATTACHED", attached)
+    torch.manual_seed(0)
+    model, x = _ReluIntoAddAndHead().train(), torch.randn(4, 32)
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    relu = next(n.name for n in problem.nodes if n.name.startswith("relu"))
+    schedule = baselines.no_recompute(problem, {relu: "inplace_grad"})
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    assert relu in wrapped.executor.guarded
+    assert relu in {m for g in wrapped.executor.groups for m in g.members}
+    assert wrapped.executor.attachable == attached
+    plain = copy.deepcopy(model)
+    for step in ("recorded", "replayed"):
+        for net, m in ((plain, plain), (wrapped, model)):
+            zero_grad(m)
+            net(x)[0].square().mean().backward()
+        for (key, p), q in zip(model.named_parameters(), plain.parameters()):
+            if q.grad is None:
+                assert p.grad is None or not p.grad.any(), key
+            else:
+                assert_grads_close(p.grad, q.grad, f"{step} step: grad of {key}")
+
+
 @pytest.mark.parametrize("impl", ["bitmask", "inplace_grad", "input_activated"])
 def test_a_gradient_writer_read_by_an_addition_alone_keeps_its_own_graph(impl):
     """The addition hands one buffer to both its inputs: a ReLU writing into it would change
@@ -877,7 +918,7 @@ def test_shared_graph_sums_the_gradient_of_an_outside_input_once(monkeypatch):
     assert "relu" in joined.executor.groups[0].members
     _check_not_above_prediction(model, joined, x, problem, schedule)
     # the ReLU kept out of the group (as every gradient writer was before): h comes from outside
-    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: set())
+    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: (set(), set()))
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     (group,) = wrapped.executor.groups
     assert {"a", "b", "c"} <= set(group.members) and "relu" not in group.members
@@ -958,7 +999,7 @@ def test_gradient_of_an_outside_input_is_added_when_made(monkeypatch):
     joined = MonetWrapper(model, schedule, example_inputs=(x,))  # (a ReLU whose gradient is its own joins)
     _check_not_above_prediction(model, joined, x, problem, schedule)
     # the ReLUs kept out of groups (as every gradient writer was before): x comes from outside
-    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: set())
+    monkeypatch.setattr(executor.ScheduleExecutor, "_own_gradients", lambda self: (set(), set()))
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     (group,) = wrapped.executor.groups
     assert {"q", "m"} <= set(group.members) and not set(relus) & set(group.members)

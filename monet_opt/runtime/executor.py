@@ -63,7 +63,7 @@ from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
 from monet_opt.runtime.groups import Group, find_groups
-from monet_opt.runtime.segments import RELU_INPLACE_GRAD, Segment, build_segment
+from monet_opt.runtime.segments import RELU_INPLACE_GRAD, Segment, build_segment, guard_gradient
 from monet_opt.storage import gradient_spans_storage, only_reference, spans_storage, storage_key
 from solver.schedule import Schedule
 
@@ -426,7 +426,7 @@ class ScheduleExecutor:
         # implementations that write into the gradient they are fed stay alone, unless that
         # gradient is the node's own inside any graph (`_own_gradients`): in a shared graph the
         # engine may hand the buffer to another branch too (add's pass-through does)
-        own = self._own_gradients()
+        own, self.guarded = self._own_gradients()
         writes = {
             (n, i)
             for n, plan in self.plans.items()
@@ -447,7 +447,7 @@ class ScheduleExecutor:
             step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
         }
 
-    def _own_gradients(self) -> set[str]:
+    def _own_gradients(self) -> tuple[set[str], set[str]]:
         """Nodes whose output's gradient, as the autograd engine hands it to their backward in
         a shared graph, is a buffer nobody else holds, so an implementation may write into it.
 
@@ -458,7 +458,11 @@ class ScheduleExecutor:
         node whose backward makes new input gradients (`makes_gradients`) is one too, and so,
         handed on, is the gradient such a node writes into, if its own output's gradient is
         one. Anything else (an addition's pass-through, a view's gradient, an unknown op) is
-        not."""
+        not.
+
+        Also returns the writers owning a sum that has a read of the second kind: if the others
+        bring no gradient (an output the loss does not read after all), the addition's shared
+        buffer is all that comes; a hook copies it then (`segments.guard_gradient`)."""
         backs = {s.node for st in self.schedule.stages for s in st.steps if s.op == "backward"}
         writers = {
             s.node
@@ -479,15 +483,16 @@ class ScheduleExecutor:
                     for a in tree_flatten((u.args, u.kwargs))[0]
                     if a is node
                 ]
-                if len(reads) != 1:
-                    memo[name] = True
-                else:
-                    u = reads[0]
-                    if makes_gradients(u.op, self.plans[u.name].target):
-                        memo[name] = u.name not in writers or owns(u.name)
+                fresh = [makes_gradients(u.op, self.plans[u.name].target) for u in reads]
+                fresh = [f and (u.name not in writers or owns(u.name)) for u, f in zip(reads, fresh)]
+                memo[name] = len(reads) != 1 or fresh[0]
+                if len(reads) > 1 and not all(fresh):
+                    summed.add(name)
             return memo[name]
 
-        return {n for n in self.plans if owns(n)}
+        summed: set[str] = set()
+        own = {n for n in self.plans if owns(n)}
+        return own, summed & writers
 
     def set_groups(self, groups: list[Group]) -> None:
         """Run these groups' members with shared graphs (`find_groups`), every other node alone."""
@@ -767,6 +772,9 @@ class ScheduleExecutor:
             new = saved - state.saved
             state.saved |= new
             run.saved_refs.update(new)
+        if name in self.guarded:
+            for _, t in outs:
+                guard_gradient(t)
         if run.attached:  # (the caller's graph: no root; outputs read from `linked`)
             run.linked[name] = out
             return

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import DEFAULT
+from monet_opt.storage import storage_use_count
 
 
 @dataclass
@@ -58,6 +59,21 @@ def _clear(values: list) -> None:
 
 # the in-place decision (`ScheduleExecutor._reuse_at`) for a ReLU run with "inplace_grad"
 RELU_INPLACE_GRAD = "relu_inplace_grad"
+
+
+def _copy_if_shared(g: torch.Tensor) -> torch.Tensor:
+    # (inside a tensor hook the engine's buffer and the argument are the two references of a
+    # gradient nobody else holds; a third is another branch's: an addition's pass-through)
+    return g if g._use_count() <= 2 and storage_use_count(g) == 1 else g.clone()
+
+
+def guard_gradient(t: Any) -> Any:
+    """t, whose gradient the engine hands to a backward that writes into it
+    (`ScheduleExecutor.guarded`): copied first if anything else holds it (a branch whose
+    gradient was expected is None, and an addition's pass-through is all that came)."""
+    if isinstance(t, torch.Tensor) and t.requires_grad:
+        t.register_hook(_copy_if_shared)
+    return t
 
 
 def _relu_(x: torch.Tensor) -> torch.Tensor:
@@ -231,6 +247,8 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
             new = graph.create_node(node.op, node.target, args, kwargs)  # as the model wrote it
         else:
             new = graph.call_function(_runner(impl, plan.target, recompute, grad), args, kwargs)
+        if grad and step.node in executor.guarded:
+            new = graph.call_function(guard_gradient, (new,))
         local[step.node] = new
     held = [n for n in local if n not in freed_in_span]
     external = [m for m in group.members if m in group.external]

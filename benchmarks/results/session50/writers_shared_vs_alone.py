@@ -27,7 +27,7 @@ for f in files:
     torch.manual_seed(0)
     model = spec.build().train()
     inputs = spec.example_inputs()
-    for label, fn in (("writers shared", own), ("writers alone", lambda self: set())) * 2:
+    for label, fn in (("writers shared", own), ("writers alone", lambda self: (set(), set()))) * 2:
         executor.ScheduleExecutor._own_gradients = fn
         w = MonetWrapper(model, sched, example_inputs=inputs)
         ngroups = len(w.executor.groups)
