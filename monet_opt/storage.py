@@ -39,10 +39,12 @@ def storage_use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(_ADDRESS(t))
 
 
-def only_reference(t: torch.Tensor) -> bool:
+def only_reference(t: torch.Tensor, references: int = 1) -> bool:
     """Nothing but this tensor object refers to its memory (no other tensor on its storage, no
-    C++ holder such as the autograd engine's input buffers)."""
-    return t._use_count() == 1 and storage_use_count(t) == 1
+    C++ holder such as the autograd engine's input buffers). references: how many holders of
+    the tensor object itself are known and fine (2 in a tensor hook: the engine's buffer, and
+    the hook's argument)."""
+    return t._use_count() <= references and storage_use_count(t) == 1
 
 
 def spans_storage(t: torch.Tensor) -> bool:

@@ -423,6 +423,10 @@ class ScheduleExecutor:
             for n in gm.graph.nodes
             if n.name in self.plans
         }
+        # nodes with a backward stage: their outputs need gradients
+        self.has_backward = {
+            step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
+        }
         # implementations that write into the gradient they are fed stay alone, unless that
         # gradient is the node's own inside any graph (`_own_gradients`): in a shared graph the
         # engine may hand the buffer to another branch too (add's pass-through does)
@@ -442,10 +446,6 @@ class ScheduleExecutor:
         self.set_groups(find_groups(schedule, users, writes) if _GROUPS else [])
         # called with a stage's index after its last step (`monet_opt.bench.measure_stage_peaks`)
         self.after_stage: Callable[[int], None] | None = None
-        # nodes with a backward stage: their outputs need gradients
-        self.has_backward = {
-            step.node for stage in schedule.stages[1:] for step in stage.steps if step.op == "backward"
-        }
 
     def _own_gradients(self) -> tuple[set[str], set[str]]:
         """Nodes whose output's gradient, as the autograd engine hands it to their backward in
@@ -463,7 +463,6 @@ class ScheduleExecutor:
         Also returns the writers owning a sum that has a read of the second kind: if the others
         bring no gradient (an output the loss does not read after all), the addition's shared
         buffer is all that comes; a hook copies it then (`segments.guard_gradient`)."""
-        backs = {s.node for st in self.schedule.stages for s in st.steps if s.op == "backward"}
         writers = {
             s.node
             for st in self.schedule.stages
@@ -479,12 +478,15 @@ class ScheduleExecutor:
                 reads = [
                     u
                     for u in node.users
-                    if u.name in backs
+                    if u.name in self.has_backward
                     for a in tree_flatten((u.args, u.kwargs))[0]
                     if a is node
                 ]
-                fresh = [makes_gradients(u.op, self.plans[u.name].target) for u in reads]
-                fresh = [f and (u.name not in writers or owns(u.name)) for u, f in zip(reads, fresh)]
+                fresh = [
+                    makes_gradients(u.op, self.plans[u.name].target)
+                    and (u.name not in writers or owns(u.name))
+                    for u in reads
+                ]
                 memo[name] = len(reads) != 1 or fresh[0]
                 if len(reads) > 1 and not all(fresh):
                     summed.add(name)

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import DEFAULT
-from monet_opt.storage import storage_use_count
+from monet_opt.storage import only_reference
 
 
 @dataclass
@@ -64,7 +64,7 @@ RELU_INPLACE_GRAD = "relu_inplace_grad"
 def _copy_if_shared(g: torch.Tensor) -> torch.Tensor:
     # (inside a tensor hook the engine's buffer and the argument are the two references of a
     # gradient nobody else holds; a third is another branch's: an addition's pass-through)
-    return g if g._use_count() <= 2 and storage_use_count(g) == 1 else g.clone()
+    return g if only_reference(g, references=2) else g.clone()
 
 
 def guard_gradient(t: Any) -> Any:
