@@ -260,9 +260,14 @@ def test_the_runtime_recompute_overhead_is_measured_once_per_device_and_kept_in_
     per device (later builds read the cache), leaves the caller's RNG as it was, and takes a
     given value as it is."""
     import monet_opt.runtime_cost as rc
+    from monet_opt.profile import device_fingerprint
 
     name, model, x, problem = built
-    assert 0.0 < problem.recompute_overhead_s < 0.01, name  # on this CPU ~0.14 ms
+    # on this CPU ~0.07-0.14 ms when quiet; a loaded machine measured 0.0 (the paired difference
+    # beyond the predicted one clamps at 0): what is checked is that it is measured and kept
+    assert 0.0 <= problem.recompute_overhead_s < 0.01, name
+    measured = rc._measured[(device_fingerprint(torch.device("cpu")), rc.CACHE_KEY)]
+    assert problem.recompute_overhead_s == measured  # the device's measurement, not a default
     monkeypatch.setattr(rc, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = build_problem(model, (x,), progress=False, repeats=1)
     assert again.recompute_overhead_s == problem.recompute_overhead_s
