@@ -105,6 +105,7 @@ def measure_stage_peaks(
     if separate_graphs:
         executor.separate_graphs()
     executor.after_stage = lambda si: mark()
+    executor.observers.add(measure_stage_peaks)
     try:
         zero_grad(wrapped)
         training_step(wrapped, inputs)  # warm-up
@@ -113,6 +114,7 @@ def measure_stage_peaks(
             training_step(wrapped, inputs)
     finally:
         executor.after_stage = None
+        executor.observers.discard(measure_stage_peaks)
         executor.set_groups(groups)
     zero_grad(wrapped)
     segments = segment_peaks(session)  # one per stage, and what runs after the last one

@@ -31,11 +31,11 @@ class NodeTimer:
     generated function and runs its backward at its first member: both times are that member's
     (`executor.separate_graphs()` gives each node its own). A schedule that would run in the
     caller's graph (`executor.attachable`, whose backward is the engine's alone) runs through the
-    wrapper's own backward while timed. `close()` puts the executor's own methods back."""
+    wrapper's own backward while timed (the timer is one of `executor.observers`). `close()` puts the executor's own methods back."""
 
     def __init__(self, executor, inputs: tuple) -> None:
         self.executor = executor
-        self.attachable, executor.attachable = executor.attachable, False
+        executor.observers.add(self)
         self.times: dict[tuple[str, str], list[float]] = defaultdict(list)
         self.recording = False
         compute, backward = executor.compute, executor.backward
@@ -93,4 +93,4 @@ class NodeTimer:
     def close(self) -> None:
         for attr in ("compute", "backward", "_run_stage", "_run_segment"):
             self.executor.__dict__.pop(attr, None)
-        self.executor.attachable = self.attachable
+        self.executor.observers.discard(self)

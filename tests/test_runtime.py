@@ -650,6 +650,38 @@ def test_a_schedule_without_recomputation_runs_in_the_callers_graph(monkeypatch)
     assert_same_gradients(model, nested, x, "through the wrapper's backward")
 
 
+def test_an_observed_step_runs_through_the_wrappers_backward_and_attaches_again_after():
+    """While a node timer (or the stage peaks) watches an attachable schedule, its steps run
+    through the wrapper's own backward, whose nodes it times, also after the executor's groups
+    are set again (`separate_graphs`, as the calibration does, and back); once it is closed, the
+    step is the caller's graph again. Gradients as plain's throughout."""
+    from monet_opt.node_timer import BACKWARD, NodeTimer
+
+    model, x = models.gpt(batch=2, seq=32)
+    model.train()
+    problem = build_problem(model, (x,), progress=False, repeats=1)
+    wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,))
+    ex = wrapped.executor
+    assert ex.attachable
+    timer = NodeTimer(ex, (x,))
+    timer.recording = True
+    groups = ex.groups
+    for label, regroup in (
+        ("timed", ex.separate_graphs),
+        ("timed, graphs separated", lambda: ex.set_groups(groups)),
+        ("timed, groups set again", lambda: None),
+    ):
+        timer.times.clear()
+        assert type(wrapped(x).grad_fn).__name__ == "_StashBackward", label
+        assert_same_gradients(model, wrapped, x, label)
+        assert timer.medians(BACKWARD), label
+        regroup()
+    timer.close()
+    assert not ex.observers
+    assert type(wrapped(x).grad_fn).__name__ == "UnsafeViewBackward0"
+    assert_same_gradients(model, wrapped, x, "attached after the timer")
+
+
 def test_gradient_writing_implementations_share_a_graph_where_their_gradient_is_their_own(monkeypatch):
     """An implementation that writes into the gradient it is fed (bit-mask ReLU, in-place-gradient
     BatchNorm) shares a graph where the engine hands it a buffer nobody else holds

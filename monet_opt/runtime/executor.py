@@ -446,6 +446,10 @@ class ScheduleExecutor:
         self.set_groups(find_groups(schedule, users, writes) if _GROUPS else [])
         # called with a stage's index after its last step (`monet_opt.bench.measure_stage_peaks`)
         self.after_stage: Callable[[int], None] | None = None
+        # what watches each step's stages or nodes (a `NodeTimer`, the stage peaks' `after_stage`):
+        # while any is here, steps run through the wrapper's own backward, whose stages they see
+        # (`MonetWrapper._attaches`), not attached
+        self.observers: set[object] = set()
 
     def _own_gradients(self) -> tuple[set[str], set[str]]:
         """Nodes whose output's gradient, as the autograd engine hands it to their backward in

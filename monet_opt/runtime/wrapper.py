@@ -572,13 +572,10 @@ class MonetWrapper(nn.Module):
     def _attaches(self, executor: ScheduleExecutor) -> bool:
         """Whether this step runs in the caller's graph (`ScheduleExecutor.attachable`): not
         with the optimizer step in the backward (the executor's backward steps it), outputs
-        dropped before the backward (the wrapper's node warns of one still held) or a stage
-        timer (`monet_opt.bench`)."""
+        dropped before the backward (the wrapper's node warns of one still held) or an observer
+        of its stages or nodes (`ScheduleExecutor.observers`)."""
         return (
-            executor.attachable
-            and self.steps is None
-            and not self.dropped_outputs
-            and executor.after_stage is None
+            executor.attachable and self.steps is None and not self.dropped_outputs and not executor.observers
         )
 
     def _refuse_unfrozen(self) -> None:
