@@ -31,7 +31,8 @@ class NodeTimer:
     generated function and runs its backward at its first member: both times are that member's
     (`executor.separate_graphs()` gives each node its own). A schedule that would run in the
     caller's graph (`executor.attachable`, whose backward is the engine's alone) runs through the
-    wrapper's own backward while timed (the timer is one of `executor.observers`). `close()` puts the executor's own methods back."""
+    wrapper's own backward while timed (the timer is one of `executor.observers`). `close()`
+    puts the executor's own methods back."""
 
     def __init__(self, executor, inputs: tuple) -> None:
         self.executor = executor
