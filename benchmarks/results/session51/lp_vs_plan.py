@@ -42,6 +42,11 @@ print(f"objective: LP relaxation {form.objective(lp):.4f} s, plan {form.objectiv
 print(f"recomputation: LP {rl * 1e3:.1f} ms, plan {rp * 1e3:.1f} ms")
 print(f"forward: LP {forward(lp) * 1e3:.1f} ms, plan {forward(xp) * 1e3:.1f} ms")
 S0 = form.S[0]
-print(f"kept after the forward (S0) fractional in the LP: {sum(1 for c in S0.values() if 0.02 < lp[c] < 0.98)} of {len(S0)}")
+print(
+    f"kept after the forward (S0) fractional in the LP: {sum(1 for c in S0.values() if 0.02 < lp[c] < 0.98)} of {len(S0)}"
+)
 diff = sorted(((pp.get(i, 0.0) - pl.get(i, 0.0)) * 1e3, names[i]) for i in set(pl) | set(pp))
-print("recomputed more by the plan than by the LP (ms):", ", ".join(f"{n} {d:.1f}" for d, n in reversed(diff[-12:])))
+print(
+    "recomputed more by the plan than by the LP (ms):",
+    ", ".join(f"{n} {d:.1f}" for d, n in reversed(diff[-12:])),
+)
