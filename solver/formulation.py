@@ -932,6 +932,8 @@ class Formulation:
         relax: bool = False,
         cancel=None,
         incumbent=None,
+        options: dict | None = None,
+        supply=None,
     ) -> MilpResult:
         """fixed: column -> value, held there (the neighbourhoods of `polish`).
         stall_s: give up if HiGHS has found nothing better than `warm` by the end of its root
@@ -943,7 +945,11 @@ class Formulation:
         cancel: a `threading.Event`; once set, the run stops as at its time limit (a run in a
         thread of its own whose caller gave up: `highs_beside_polish`).
         incumbent: returns the best plan's objective so far, found elsewhere (polishing beside
-        this run), or None; verbose progress lines then give HiGHS' bound against it."""
+        this run), or None; verbose progress lines then give HiGHS' bound against it.
+        options: HiGHS options over `highs_options`, for this run.
+        supply: returns a solution vector of this MILP found elsewhere (this formulation's
+        units), or None; HiGHS takes it as its incumbent when it next asks for one (a better
+        incumbent prunes its tree and stops it at `mip_gap`)."""
         import highspy
 
         t_enter = time.perf_counter()
@@ -959,7 +965,7 @@ class Formulation:
         if self.n_cols > 150_000:
             # HiGHS' presolve cannot be interrupted and takes minutes at this size
             h.setOptionValue("presolve", "off")
-        for key, val in (self.highs_options or {}).items():
+        for key, val in {**(self.highs_options or {}), **(options or {})}.items():
             h.setOptionValue(key, val)
         lp = highspy.HighsLp()
         lp.num_col_ = self.n_cols
@@ -1037,12 +1043,20 @@ class Formulation:
                 if event.data_out.mip_node_count > 0 or time.perf_counter() > t0 + stall_s:
                     event.interrupt()
 
-        for cb, fn in (
+        def _user_solution(event) -> None:
+            x = supply()
+            if x is not None:
+                event.data_in.setSolution(np.asarray(scaled.to_model(x), dtype=float))
+
+        callbacks = [
             (h.cbSimplexInterrupt, _stop_at_deadline),
             (h.cbIpmInterrupt, _stop_at_deadline),
             (h.cbMipInterrupt, _stop_mip),
             (h.cbMipImprovingSolution, _improving),
-        ):
+        ]
+        if supply is not None:
+            callbacks.append((h.cbMipUserSolution, _user_solution))
+        for cb, fn in callbacks:
             try:
                 cb.subscribe(fn)
             except Exception:  # pragma: no cover - older highspy without callbacks

@@ -32,6 +32,11 @@ POLISH_WORKERS = 2
 RINS_LP_SHARE = 0.3
 RINS_SUB_LIMIT_S = 20.0
 RINS_ROUNDS = 4
+# ... a round after a start's first may take at most this share of the time left: polishing
+# beside HiGHS gets the rest (ResNet-50 b8 224, session-21 problem, kept gradients, 0.33: the
+# second round from the winning start's plan took the last 16 s and found nothing; polishing, which
+# took 1.7175 -> 1.6707 s in session 40, never ran)
+RINS_LATER_SHARE = 0.5
 # ... in the first window, one round of RINS from each of up to RINS_STARTS fitting plans (the
 # fastest that the window's rows accept; each in its own MILP, built around it) in this share of
 # the remaining time, before the rounds go on from the best. Where RINS ends depends on where it
@@ -55,7 +60,7 @@ RINS_START_LP_RATIO = 3.0
 
 
 def rins_from_starts(
-    an, budget_bytes, window, form, plan, others, deadline, threads, verbose, accept, solved
+    an, budget_bytes, window, form, plan, others, deadline, threads, verbose, accept, solved, on_winner=None
 ) -> tuple[Formulation, Plan | None]:
     """RINS from `plan` in `form`, and first from up to RINS_STARTS - 1 of `others` (fitting
     plans, fastest first; each in a window-`window` MILP built around it, if its rows accept it):
@@ -65,7 +70,9 @@ def rins_from_starts(
     224, Adam step in the backward, at 0.25, RINS from multilevel's plan found 1.674 s in 6.4 s in
     the MILP around it, nothing in 7 s in the MILP around three plans.) Returns (the MILP of the
     plan RINS ended with, that plan, or None if RINS found nothing better than the best so far);
-    every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation)."""
+    every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation).
+    on_winner(MILP, plan): called when a start other than `plan` won, before RINS goes on in its
+    MILP (`solver.milp` moves HiGHS' bound run there)."""
     starts = [(form, plan)]
     size = own_cells(an, window, plan)
     for other in others:
@@ -121,9 +128,13 @@ def rins_from_starts(
         # from the fastest start with the rest of the time, as it would from that start alone
         # (356-node synthetic DAG at 0.33: its neighbourhood needs 8 s, and each start's round had 6)
         log(verbose, "no start's round beat the fastest start: RINS goes on from the fastest start")
-        return form, rins(form, plan, deadline, threads, verbose, accept, lp=first_lp)
+        return form, rins(form, plan, deadline, threads, verbose, accept, lp=first_lp, first=False)
     f, got, lp = winner
-    return f, rins(f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp) or got
+    if on_winner is not None and f is not form:
+        on_winner(f, got)
+    return f, rins(
+        f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp, first=False
+    ) or got
 
 
 def relaxation(form: Formulation, seconds: float, threads: int, verbose: bool) -> MilpResult | None:
@@ -146,6 +157,7 @@ def rins(
     relaxations=None,
     rounds: int = RINS_ROUNDS,
     lp: MilpResult | None = None,
+    first: bool = True,
 ) -> Plan | None:
     """Relaxation-induced neighbourhood search (Danna, Rothberg & Le Pape 2005) from `plan`.
 
@@ -156,7 +168,9 @@ def rins(
     +35 % predicted; the bare LP takes 2 s and the neighbourhood MILP 4 s to reach +38 %.
     Returns the best plan accepted (`accept(plan, objective)` replays and keeps it), or None.
     relaxations: a list the solved LP relaxation is appended to (its objective bounds the MILP).
-    rounds: at most this many; lp: `form`'s LP relaxation, if solved before (else solved here)."""
+    rounds: at most this many; lp: `form`'s LP relaxation, if solved before (else solved here);
+    first: the first round is this start's first (later rounds take RINS_LATER_SHARE of the time
+    left at most)."""
     remaining = deadline - time.perf_counter()
     if lp is None:
         if remaining < 2.0:
@@ -177,8 +191,9 @@ def rins(
             break
         agree = integer[np.abs(lp.x[integer] - x[integer]) < 1e-6]
         fixed = {int(c): float(round(x[c])) for c in agree}
+        share = 1.0 if first and rnd == 0 else RINS_LATER_SHARE
         res = form.solve_milp(
-            min(remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+            min(share * remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
         )
         if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
             break
@@ -195,59 +210,123 @@ def rins(
     return best
 
 
+# HiGHS' run for the bound (`BoundRun`, beside RINS and polishing): branching on pseudo-costs from
+# the first node, without strong branching to make them reliable first. ResNet-50 b8 224
+# (calibrated problem, kept gradients, 1/3), the window-6 MILP around a 0.9601-s plan, 60 s on one
+# thread: bound 0.8967 with the solve's own options, 0.9066 with this and no heuristics. No
+# heuristics (effort 0) let a 24-s run beside polishing branch where it had stayed at its root
+# (gap 7.2 -> 5.8 %), but HiGHS' own heuristics found the best plan elsewhere (Adam step in the
+# backward, 0.33: 1.5743 s against polishing's 1.5806), and since session 52 the run starts beside
+# RINS with time for them: they stay (session 52's rows, benchmarks/results/session52)
+BOUND_OPTIONS = {"mip_pscost_minreliable": 0}
+
+
+class BoundRun:
+    """HiGHS on `form` from `warm` until `deadline`, in a thread of its own, for its dual bound
+    while plans are found beside it: `offer(plan, objective)` hands it each plan found elsewhere
+    that is a plan of `form` (the best so far becomes HiGHS' incumbent when it next asks for
+    one: it prunes by it, and stops once its bound proves that plan within `mip_gap`).
+    `result()` waits for the run and returns it (a `MilpResult`); `cancel()` ends it early."""
+
+    def __init__(
+        self, form: Formulation, warm, deadline: float, mip_gap: float, threads: int, verbose: bool
+    ) -> None:
+        import threading
+
+        self.form = form
+        self.done = threading.Event()
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = None  # the best offered plan's vector HiGHS has not taken yet
+        self.best = form.objective(warm)  # the best objective offered (or the warm start's)
+        self._out: dict = {}
+
+        def run() -> None:
+            try:
+                self._out["res"] = form.solve_highs(
+                    max(0.5, deadline - time.perf_counter()),
+                    mip_gap=mip_gap,
+                    threads=threads,
+                    warm=warm,
+                    verbose=verbose,
+                    cancel=self._cancel,
+                    incumbent=lambda: self.best,
+                    options=BOUND_OPTIONS,
+                    supply=self._take,
+                )
+            except BaseException as exc:  # (raised again in the caller's thread)
+                self._out["error"] = exc
+            finally:
+                self.done.set()
+
+        self._thread = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
+        self._thread.start()
+
+    def offer(self, plan: Plan, objective: float) -> bool:
+        """Hand HiGHS `plan` if it beats the best offered and is a plan of this MILP (True)."""
+        if objective >= self.best - 1e-12 or self.done.is_set():
+            return False
+        x = self.form.plan_to_vector(plan)
+        if self.form.violations(x) or abs(self.form.objective(x) - objective) > 1e-6 * max(
+            1.0, abs(objective)
+        ):
+            return False
+        with self._lock:
+            self._pending = x
+            self.best = objective
+        return True
+
+    def _take(self):
+        with self._lock:
+            x, self._pending = self._pending, None
+        return x
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def result(self) -> MilpResult:
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["res"]
+
+
 def highs_beside_polish(
-    form: Formulation, plan: Plan, warm, deadline: float, mip_gap: float, threads: int, verbose: bool, accept
+    form: Formulation,
+    plan: Plan,
+    warm,
+    deadline: float,
+    mip_gap: float,
+    threads: int,
+    verbose: bool,
+    accept,
+    run: BoundRun | None = None,
 ) -> MilpResult:
     """HiGHS on `form` from `warm` (the vector of `plan`) until `deadline`, in a thread of its
-    own, while `polish` improves `plan` beside it with one sub-MILP at a time; polishing stops
-    when HiGHS ends (optimal, or out of time). Returns HiGHS' run; `accept(plan, objective)`
-    receives what polishing finds (plans of `form`: HiGHS' bound holds for them).
+    own (a `BoundRun`; or `run`, one already running on a MILP that holds `form`'s plans), while
+    `polish` improves `plan` in `form` beside it with one sub-MILP at a time, handing HiGHS each
+    plan it keeps; polishing stops when HiGHS ends (optimal, or out of time). Returns HiGHS' run;
+    `accept(plan, objective)` receives what polishing finds.
 
     One after the other, HiGHS' run was cut on a stall before its root node was done (ResNet-50
     b8 224, kept gradients, 0.4: 5.7 s, bound below its LP relaxation's) and polishing took the
     rest; HiGHS needs ~10 s for its root bound there (3.4 % against 6.3 %). Its branch and bound
     is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone."""
-    import threading
+    if run is None:
+        run = BoundRun(form, warm, deadline, mip_gap, threads, verbose)
 
-    done = threading.Event()
-    cancel = threading.Event()  # set when polishing fails (an interrupt): HiGHS stops then too
-    out: dict = {}
-    best = [form.objective(warm)]  # the best objective polishing has reached (progress lines)
-
-    def accept_best(plan: Plan, objective: float) -> bool:
+    def accept_offer(plan: Plan, objective: float) -> bool:
         if accept(plan, objective):
-            best[0] = min(best[0], objective)
+            run.offer(plan, objective)
             return True
         return False
 
-    def run() -> None:
-        try:
-            out["res"] = form.solve_highs(
-                max(0.5, deadline - time.perf_counter()),
-                mip_gap=mip_gap,
-                threads=threads,
-                warm=warm,
-                verbose=verbose,
-                cancel=cancel,
-                incumbent=lambda: best[0],
-            )
-        except BaseException as exc:  # (raised again in the caller's thread)
-            out["error"] = exc
-        finally:
-            done.set()
-
-    worker = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
-    worker.start()
     try:
-        polish(form, plan, deadline, 1, verbose, accept_best, stop=done.is_set)
+        polish(form, plan, deadline, 1, verbose, accept_offer, stop=run.done.is_set)
     except BaseException:
-        cancel.set()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
+        run.cancel()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise
-    finally:
-        worker.join()
-    if "error" in out:
-        raise out["error"]
-    return out["res"]
+    return run.result()
 
 
 def polish(

@@ -36,6 +36,8 @@ POLISH_SHARE = 0.4
 # this many seconds left, HiGHS runs the polished MILP again for the rest (ResNet-50 b8 224 at
 # 0.33 with 300 s: polishing was done at 175 s and the time after it went unused)
 FINAL_RUN_MIN_S = 5.0
+# time mode: HiGHS' bound run starts beside RINS if at least this many seconds are left
+EARLY_MIN_S = 10.0
 # time mode, where polishing does not run beside HiGHS: a warm-started MILP that has found nothing
 # better by the end of its root node, or within this share of its time, gives the rest to
 # `local_search.polish` (ResNet-50 b8 224 at 0.33, 60 s: HiGHS never beat the multilevel warm start; with the
@@ -585,6 +587,8 @@ def _ladder(
             return False
         best = (sched, objective, plan, key)
         best_index = index
+        if early is not None:
+            early.offer(plan, objective)
         return True
 
     def at_floor() -> bool:
@@ -619,6 +623,51 @@ def _ladder(
         return proven, widest
 
     started = None  # (when the previous window's iteration started, its window)
+    # HiGHS' run for the bound from the first window's start on, beside RINS (a
+    # `local_search.BoundRun` on the MILP around the fastest start); polishing goes on beside it if
+    # RINS' plan is a plan of that MILP, else it is stopped and HiGHS runs on RINS' MILP
+    early = None
+    early_window = None
+
+    def move_early(to: Formulation, plan: Plan) -> None:
+        """RINS goes on from another start's plan, in that start's MILP: the early bound run
+        moves to the MILP built around that plan (a HiGHS run from scratch), unless its own
+        MILP holds the plan."""
+        nonlocal early
+        if early is None or deadline - time.perf_counter() < EARLY_MIN_S / 2:
+            return
+        if _holds(early.form, plan, to.objective(to.plan_to_vector(plan))):
+            return
+        close_early()
+        # (the MILP built around the plan, if smaller: its bound comes sooner, as after RINS)
+        to = _around(an, budget_bytes, early_window, to, plan, backend)
+        early = local_search.BoundRun(to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose)
+        log(
+            verbose,
+            f"HiGHS' bound run moves to the MILP around the plan RINS goes on from ({to.n_cols} columns)",
+        )
+
+    def close_early() -> None:
+        """Stop the early bound run (if any) and keep its result as a run of its MILP."""
+        nonlocal early
+        if early is None:
+            return
+        run, early = early, None
+        run.cancel()
+        record(early_window, run.result(), run.form, {"early": True}, "HiGHS' early run")
+
+    def record(w, res: MilpResult, f: Formulation, flags: dict, what_run: str) -> None:
+        """Keep a finished run of `f` (window `w`): its bound, its attempt, its plan if better."""
+        results.append((w, res, f))
+        attempts.append({**_attempt(what, w, res), **flags})
+        log(
+            verbose,
+            f"{what_run} (window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
+            f"{res.solve_time_s:.1f} s",
+        )
+        if res.plan is not None:
+            accept(res.plan, res.objective, len(results) - 1)
+
     started_rins = False  # RINS has run from several starts (the first window that runs it)
     polished_beside = False  # HiGHS ran with polishing beside it (`local_search.highs_beside_polish`)
     for w in window_ladder(window, an.n):
@@ -668,20 +717,31 @@ def _ladder(
             # first window, RINS starts from several plans, and the MILP of the best goes on
             solved: list[tuple] = []  # (LP relaxation, its Formulation)
             others = [] if started_rins else [c for c in candidates if c is not warm_plan]
+            if not started_rins and form.backend == "highs" and threads >= 2 and deadline - now > EARLY_MIN_S:
+                # (one thread: RINS keeps the other core)
+                early = local_search.BoundRun(form, warm, deadline, mip_gap, 1, verbose)
+                early_window = w
+                log(verbose, f"HiGHS runs for the bound from now on (window {w}), beside RINS")
             started_rins = True
-            form, improved = local_search.rins_from_starts(
-                an,
-                budget_bytes,
-                w,
-                form,
-                warm_plan,
-                others,
-                deadline,
-                threads,
-                verbose,
-                lambda plan, obj: accept(plan, obj, len(results)),
-                solved,
-            )
+            try:
+                form, improved = local_search.rins_from_starts(
+                    an,
+                    budget_bytes,
+                    w,
+                    form,
+                    warm_plan,
+                    others,
+                    deadline,
+                    threads,
+                    verbose,
+                    lambda plan, obj: accept(plan, obj, len(results)),
+                    solved,
+                    on_winner=move_early,
+                )
+            except BaseException:
+                if early is not None:
+                    early.cancel()  # (Ctrl-C in the CLI: no HiGHS left running to the deadline)
+                raise
             relaxations = [lp for lp, f in solved if f is form]
             for lp, f in solved:
                 # the relaxation's optimum bounds its MILP too; HiGHS' own run may end before its
@@ -703,6 +763,7 @@ def _ladder(
                     last = (w, None)  # RINS took the time: no HiGHS run in this window
                 break
             if _lp_proves(relaxations, form, warm, mip_gap):
+                close_early()
                 # the relaxation already proves the incumbent within the gap asked for in this
                 # window: HiGHS would stop at its root; the next window may still do better
                 # (resnet18 b2 32 at its no-recompute peak: windows 6, 12, 24, unbounded each
@@ -717,8 +778,15 @@ def _ladder(
                 last = (w, None)
                 continue
         beside = budget_bytes is not None and warm is not None and form.backend == "highs"
+        run = None  # the early run, if polishing goes on beside it
+        if early is not None and beside and _holds(early.form, warm_plan, form.objective(warm)):
+            # (a run that already ended returns at once, polishing nothing)
+            run, early = early, None
+            log(verbose, "RINS' plan is a plan of the early run's MILP: polishing goes on beside that run")
+        close_early()
         if beside:
-            # time mode: HiGHS on this MILP for the rest of the time, polishing beside it
+            # time mode: HiGHS on this MILP (or the early run's) for the rest of the time,
+            # polishing beside it
             polished_beside = True
 
             def accept_polished(plan, objective: float, form=form) -> bool:
@@ -729,7 +797,7 @@ def _ladder(
                 return False
 
             res = local_search.highs_beside_polish(
-                form, warm_plan, warm, deadline, mip_gap, threads, verbose, accept_polished
+                form, warm_plan, warm, deadline, mip_gap, threads, verbose, accept_polished, run=run
             )
             if best_form is form:
                 warm_plan = best[2]  # (the next window starts from the polished plan)
@@ -745,8 +813,8 @@ def _ladder(
                 stall_s=None if budget_bytes is None else STALL_SHARE * share * remaining,
             )
         last = (w, res)
-        results.append((w, res, form))
-        attempts.append(_attempt(what, w, res))
+        results.append((w, res, form if run is None else run.form))
+        attempts.append(_attempt(what, w, res) if run is None else {**_attempt(what, w, res), "early": True})
         log(
             verbose,
             f"{_BACKEND_NAMES[form.backend]} ({what}, window {w}): {res.status}, objective {res.objective}, bound {res.dual_bound}, "
@@ -759,6 +827,7 @@ def _ladder(
             break  # no wider window can do better
         if res.status not in ("optimal", "infeasible"):
             break  # out of time (or HiGHS gave up): a wider window would not get further
+    close_early()
     found_by = results[best_index][1].status if best is not None and best_index < len(results) else None
     # a plan already proven within the gap asked for is not polished (HiGHS would have stopped
     # there: a run that stalled on it, interrupted, reports time_limit). ResNet-50 at test size, at
@@ -788,15 +857,13 @@ def _ladder(
                 warm=best_form.plan_to_vector(best[2]),
                 verbose=verbose,
             )
-            results.append((best_form.window, res, best_form))
-            attempts.append({**_attempt(what, best_form.window, res), "after_polishing": True})
-            log(
-                verbose,
-                f"{_BACKEND_NAMES[backend]} again after polishing (window {best_form.window}): {res.status}, objective "
-                f"{res.objective}, bound {res.dual_bound}, {res.solve_time_s:.1f} s",
+            record(
+                best_form.window,
+                res,
+                best_form,
+                {"after_polishing": True},
+                f"{_BACKEND_NAMES[backend]} again after polishing",
             )
-            if res.plan is not None:
-                accept(res.plan, res.objective, len(results) - 1)
     proven, widest = proven_gap()
     return _LadderResult(best[:3] if best else None, last, attempts, proven, widest)
 

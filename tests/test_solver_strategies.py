@@ -797,6 +797,61 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     assert res.dual_bound <= times[-1] * (1 + 1e-9)
 
 
+def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch):
+    """`BoundRun`: HiGHS, run for its bound (no heuristics of its own) from a slow plan, takes a
+    faster plan found elsewhere as its incumbent when it next asks for one: its result is at
+    least as good as the plan offered. A plan no faster than the best offered, or whose objective
+    is not what this MILP gives it, is not offered."""
+    import time
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    better = form.solve_highs(20, mip_gap=1e-4, warm=form.plan_to_vector(plan))
+    assert better.plan is not None and better.objective < times[0] - 1e-9
+    handed = []
+    real_take = local_search.BoundRun._take
+
+    def take(self):
+        x = real_take(self)
+        if x is not None:
+            handed.append(x)
+        return x
+
+    monkeypatch.setattr(local_search.BoundRun, "_take", take)
+    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 60, 1e-4, 1, False)
+    assert not run.offer(better.plan, better.objective + 0.5)  # (not this plan's objective here)
+    assert run.offer(better.plan, better.objective)
+    assert not run.offer(better.plan, better.objective)  # (no faster than the best offered)
+    res = run.result()
+    assert handed, "HiGHS never took the offered plan"
+    assert res.objective is not None and res.objective <= better.objective + 1e-9
+    assert res.dual_bound <= res.objective + 1e-9
+
+
+def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypatch, capfd):
+    """With time for it, HiGHS starts on the first window's MILP (the fastest start's) as RINS
+    starts, on a thread of its own; its run is recorded (`"early"` in `milp_attempts`) whether
+    polishing went on beside it or it was stopped because RINS' plan left its MILP (then it moves
+    to the MILP around that plan, a run recorded too); the schedule
+    fits, and the proven gap is one a recorded run's bound gives."""
+    import solver.milp as milp
+
+    monkeypatch.setattr(milp, "EARLY_MIN_S", 2.0)
+    p = PROBLEMS["resnet_bneck60"]
+    budget = int(0.45 * B.no_recompute(p).predicted_peak_bytes)
+    s = solve(p, budget, time_limit=12, verbose=True)
+    _check(p, s, budget)
+    err = capfd.readouterr().err
+    assert "HiGHS runs for the bound from now on (window 6), beside RINS" in err, err
+    early = [a for a in s.meta["milp_attempts"] if a.get("early")]
+    # (two if it moved to the MILP around the plan RINS went on from: each is recorded)
+    assert early and all(a["bound"] is not None for a in early), s.meta["milp_attempts"]
+    assert len(early) == 1 + err.count("HiGHS' bound run moves"), (err, s.meta["milp_attempts"])
+    obj = s.predicted_time_s
+    bounds = [a["bound"] for a in s.meta["milp_attempts"] if a["bound"] is not None]
+    assert s.solver.gap is not None
+    assert any(abs(s.solver.gap - max(0.0, (obj - b) / obj)) < 1e-6 for b in bounds) or s.solver.gap == 0.0
+
+
 @pytest.mark.parametrize(
     "make", [lambda: resnet(30, seed=3), lambda: chain(12, seed=2), lambda: random_dag(16, seed=6)]
 )
@@ -1172,12 +1227,22 @@ def _rins_with_start_rounds(record, start_round):
         relaxations=None,
         rounds=local_search.RINS_ROUNDS,
         lp=None,
+        first=True,
     ):
         record(f, begin, rounds, lp)
         if rounds == 1:
             return start_round(begin)
         return real(
-            f, begin, deadline, threads, verbose, accept, relaxations=relaxations, rounds=rounds, lp=lp
+            f,
+            begin,
+            deadline,
+            threads,
+            verbose,
+            accept,
+            relaxations=relaxations,
+            rounds=rounds,
+            lp=lp,
+            first=first,
         )
 
     return rins
@@ -1212,6 +1277,72 @@ def test_rins_goes_on_from_the_fastest_start_when_no_start_round_improves(monkey
         x = form.plan_to_vector(best)
         assert not form.violations(x)
         assert form.objective(x) == pytest.approx(found[-1], rel=1e-9)
+
+
+def test_rins_hands_the_winning_start_and_its_milp_over_before_going_on(monkeypatch):
+    """When a start other than the first wins its round, `on_winner` gets that start's MILP and
+    the plan its round found before RINS goes on there (`solver.milp` moves HiGHS' bound run to
+    that MILP); RINS ends in the same MILP."""
+    import time
+
+    an, budget, _form, plan, others, found, keep = _rins_starts_case()
+
+    def seconds(c):
+        return to_schedule(an, c, "x", SolverInfo(name="x")).predicted_time_s
+
+    cands = sorted([plan, *others], key=seconds)
+    fast, slow = cands[0], cands[-1]
+    assert seconds(fast) < seconds(slow)
+    form = Formulation(an, budget, window=6, warm_plan=slow)
+    # the slow start's round finds nothing; the fast start's "finds" the fast plan itself
+    rins = _rins_with_start_rounds(lambda *call: None, lambda begin: None if begin is slow else begin)
+    monkeypatch.setattr(local_search, "rins", rins)
+    moved: list[tuple] = []
+    end_form, _best = local_search.rins_from_starts(
+        an,
+        budget,
+        6,
+        form,
+        slow,
+        [fast],
+        time.perf_counter() + 30.0,
+        2,
+        False,
+        keep,
+        [],
+        on_winner=lambda f, p: moved.append((f, p)),
+    )
+    assert len(moved) == 1, moved
+    f, p = moved[0]
+    assert p is fast and f is end_form and f is not form
+    assert not f.violations(f.plan_to_vector(fast))
+
+
+def test_a_later_rins_round_leaves_half_the_time_to_polishing(monkeypatch):
+    """RINS' first round from a start may take the time left (up to its cap); a later round
+    takes at most RINS_LATER_SHARE of it, so polishing beside HiGHS has the rest (a second round
+    from the winning start's plan had taken the last 16 s of a ResNet-50 solve, finding nothing)."""
+    import time
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    lp = form.solve_highs(20.0, relax=True)
+    limits: list[tuple] = []  # (time limit, seconds left when the round started)
+    real = Formulation.solve_milp
+
+    def recorded(self, time_limit, **kw):
+        limits.append((time_limit, deadline - time.perf_counter()))
+        return real(self, time_limit, **kw)
+
+    monkeypatch.setattr(Formulation, "solve_milp", recorded)
+    deadline = time.perf_counter() + 30.0
+    local_search.rins(form, plan, deadline, 2, False, accept, rounds=1, lp=lp, first=True)
+    assert len(limits) == 1 and limits[0][0] > local_search.RINS_LATER_SHARE * limits[0][1] + 1.0
+    limits.clear()
+    deadline = time.perf_counter() + 30.0
+    local_search.rins(form, plan, deadline, 2, False, accept, rounds=2, lp=lp, first=False)
+    assert limits, "no round ran"
+    for limit, left in limits:
+        assert limit <= local_search.RINS_LATER_SHARE * left + 1e-3, limits
 
 
 def test_a_start_round_slower_than_the_fastest_start_does_not_win(monkeypatch, capsys):
