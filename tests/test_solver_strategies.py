@@ -798,32 +798,38 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
 
 
 def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch):
-    """`BoundRun`: HiGHS, run for its bound (no heuristics of its own) from a slow plan, takes a
-    faster plan found elsewhere as its incumbent when it next asks for one: its result is at
-    least as good as the plan offered. A plan no faster than the best offered, or whose objective
-    is not what this MILP gives it, is not offered."""
+    """`BoundRun`: HiGHS, run for its bound from a slow plan, takes a faster plan found elsewhere
+    as its incumbent when it next asks for one: stopped right after it took it (no heuristics,
+    so it has not found that plan itself), its result is that plan. A plan no faster than the
+    best offered, or whose objective is not what this MILP gives it, is not offered."""
+    import threading
     import time
 
     form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
-    better = form.solve_highs(20, mip_gap=1e-4, warm=form.plan_to_vector(plan))
+    better = form.solve_highs(4, mip_gap=1e-3, warm=form.plan_to_vector(plan))
     assert better.plan is not None and better.objective < times[0] - 1e-9
-    handed = []
+    taken = threading.Event()
     real_take = local_search.BoundRun._take
 
     def take(self):
         x = real_take(self)
         if x is not None:
-            handed.append(x)
+            taken.set()
         return x
 
     monkeypatch.setattr(local_search.BoundRun, "_take", take)
-    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 60, 1e-4, 1, False)
+    monkeypatch.setattr(local_search, "BOUND_OPTIONS", {"mip_heuristic_effort": 0.0})
+    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 120, 1e-4, 1, False)
     assert not run.offer(better.plan, better.objective + 0.5)  # (not this plan's objective here)
     assert run.offer(better.plan, better.objective)
     assert not run.offer(better.plan, better.objective)  # (no faster than the best offered)
+    assert taken.wait(60), "HiGHS never took the offered plan"
+    run.cancel()
     res = run.result()
-    assert handed, "HiGHS never took the offered plan"
-    assert res.objective is not None and res.objective <= better.objective + 1e-9
+    assert res.objective is not None and res.objective <= better.objective + 1e-9, (
+        res.objective,
+        better.objective,
+    )
     assert res.dual_bound <= res.objective + 1e-9
 
 
