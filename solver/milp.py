@@ -625,7 +625,7 @@ def _ladder(
     started = None  # (when the previous window's iteration started, its window)
     # HiGHS' run for the bound from the first window's start on, beside RINS (a
     # `local_search.BoundRun` on the MILP around the fastest start); polishing goes on beside it if
-    # RINS' plan is a plan of that MILP, else it is stopped and HiGHS runs on RINS' MILP
+    # RINS ends in that MILP, else it is stopped (its bound kept) and HiGHS runs on RINS' MILP
     early = None
     early_window = None
 
@@ -779,10 +779,14 @@ def _ladder(
                 continue
         beside = budget_bytes is not None and warm is not None and form.backend == "highs"
         run = None  # the early run, if polishing goes on beside it
-        if early is not None and beside and _holds(early.form, warm_plan, form.objective(warm)):
-            # (a run that already ended returns at once, polishing nothing)
+        if early is not None and beside and early.form is form:
+            # RINS ended in the early run's MILP (a run that already ended returns at once,
+            # polishing nothing). Not where RINS' plan is a plan of the early run's MILP but a
+            # smaller MILP was built around it: a new run there bounds sooner (ResNet-50 b8 224
+            # at 0.5: 0.8151, the plan proven within 1 %, in 6.7 s on two threads; the early run,
+            # going on, stayed at 0.8140 for 48 s), and the early run's bound still counts
             run, early = early, None
-            log(verbose, "RINS' plan is a plan of the early run's MILP: polishing goes on beside that run")
+            log(verbose, "RINS ended in the early run's MILP: polishing goes on beside that run")
         close_early()
         if beside:
             # time mode: HiGHS on this MILP (or the early run's) for the rest of the time,
