@@ -844,6 +844,14 @@ class Formulation:
             shape=(self.n_rows, self.n_cols),
         )
 
+    def point_of(self, plan: Plan, objective: float) -> np.ndarray | None:
+        """`plan`'s vector if it is a feasible point of this MILP at `objective`, else None (a
+        plan that needs columns the MILP lacks violates its rows, or costs something else here)."""
+        x = self.plan_to_vector(plan)
+        if self.violations(x) or abs(self.objective(x) - objective) > 1e-6 * max(1.0, abs(objective)):
+            return None
+        return x
+
     def violations(self, x: np.ndarray, tol: float = 1e-6) -> list[int]:
         """Rows (>= 0) and columns (-1 - col) that `x` violates, with absolute tolerance `tol`."""
         act, lo, hi = self.row_activity(x)

@@ -266,10 +266,8 @@ class BoundRun:
         """Hand HiGHS `plan` if it beats the best offered and is a plan of this MILP (True)."""
         if objective >= self.best - 1e-12 or self.done.is_set():
             return False
-        x = self.form.plan_to_vector(plan)
-        if self.form.violations(x) or abs(self.form.objective(x) - objective) > 1e-6 * max(
-            1.0, abs(objective)
-        ):
+        x = self.form.point_of(plan, objective)
+        if x is None:
             return False
         with self._lock:
             self._pending = x

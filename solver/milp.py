@@ -610,7 +610,7 @@ def _ladder(
             # (an LP relaxation's bound is as good as a MILP run's; it proves no optimality of its own)
             runs += [(w, res, form, "time_limit") for w, res, form in bounds]
             for w, res, form, status in runs:
-                if res.dual_bound is None or not _holds(form, plan, obj):
+                if res.dual_bound is None or form.point_of(plan, obj) is None:
                     continue
                 gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
                 if proven is None or gap < proven[1]:
@@ -636,7 +636,7 @@ def _ladder(
         nonlocal early
         if early is None or deadline - time.perf_counter() < EARLY_MIN_S / 2:
             return
-        if _holds(early.form, plan, to.objective(to.plan_to_vector(plan))):
+        if early.form.point_of(plan, to.objective(to.plan_to_vector(plan))) is not None:
             return
         close_early()
         # (the MILP built around the plan, if smaller: its bound comes sooner, as after RINS)
@@ -880,13 +880,6 @@ def _lp_proves(relaxations: list, form: Formulation, warm, mip_gap: float) -> bo
     obj = form.objective(warm)
     bound = max((lp.objective for lp in relaxations if lp.objective is not None), default=None)
     return bound is not None and obj - bound <= mip_gap * abs(obj) + 1e-12
-
-
-def _holds(form: Formulation, plan: Plan, objective: float) -> bool:
-    """Whether `plan` is a feasible point of `form`'s MILP, at `objective` (a plan that needs
-    columns the MILP lacks violates its rows, or costs something else there)."""
-    x = form.plan_to_vector(plan)
-    return not form.violations(x) and abs(form.objective(x) - objective) <= 1e-6 * max(1.0, abs(objective))
 
 
 def _attempt(what: str, window: int | None, res: MilpResult) -> dict:

@@ -23,7 +23,7 @@ from solver import (
 from solver import baselines as B
 from solver.baselines import plan_of
 from solver.formulation import Formulation
-from solver.milp import _holds, window_ladder
+from solver.milp import window_ladder
 from solver.plan import Analysis, to_schedule
 from solver.schedule import SolverInfo
 from solver.synthetic import chain, problem_zoo, random_dag, resnet, with_step_in_backward
@@ -162,11 +162,11 @@ def test_a_bound_counts_only_for_milps_that_hold_the_plan():
     t = s.predicted_time_s
     assert s.recomputed()
     around = Formulation(an, s.predicted_peak_bytes, window=1, warm_plan=plan)
-    assert _holds(around, plan, t)
-    assert not _holds(around, plan, t * 1.01)
-    assert not _holds(Formulation(an, s.predicted_peak_bytes, window=1), plan, t)
-    assert not _holds(Formulation(an, s.predicted_peak_bytes - 1, window=1, warm_plan=plan), plan, t)
-    assert _holds(Formulation(an, s.predicted_peak_bytes, window=None), plan, t)
+    assert around.point_of(plan, t) is not None
+    assert around.point_of(plan, t * 1.01) is None
+    assert Formulation(an, s.predicted_peak_bytes, window=1).point_of(plan, t) is None
+    assert Formulation(an, s.predicted_peak_bytes - 1, window=1, warm_plan=plan).point_of(plan, t) is None
+    assert Formulation(an, s.predicted_peak_bytes, window=None).point_of(plan, t) is not None
 
 
 def test_window_ladder():
