@@ -76,6 +76,7 @@ passed to highspy directly (no per-scalar modelling-layer expressions).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -958,8 +959,7 @@ class Formulation:
         supply: returns a solution vector of this MILP found elsewhere (this formulation's
         units), or None; HiGHS takes it as its incumbent when it next asks for one (a better
         incumbent prunes its tree and stops it at `mip_gap`)."""
-        import highspy
-
+        highspy = import_highspy()
         t_enter = time.perf_counter()
         md = self.md
         highs_log = bool(verbose) and os.environ.get("MONET_OPT_HIGHS_LOG", "") == "1"
@@ -1213,6 +1213,32 @@ def _add_state_terms(an, states: dict, cols: list, coefs: list) -> None:
 
 
 _HIGHS_GREETED = False
+
+
+# the oldest highspy whose MIP callbacks `solve_highs` uses all work: 1.8-1.10 have no user-solution
+# callback (`supply`; AttributeError), 1.11-1.15 call it but drop the solution handed over
+# (`BoundRun`'s test fails on them), 1.7 has no callbacks at all
+HIGHSPY_MIN = (1, 16)
+
+
+def import_highspy():
+    """highspy, or ImportError naming the version needed (pyproject asks for it; an older one
+    already installed in the environment would otherwise fail deep inside a solve)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import highspy
+
+    try:
+        found = version("highspy")
+    except PackageNotFoundError:  # (no metadata: a build of its own; trust it)
+        return highspy
+    parts = tuple(int(p) for p in re.findall(r"\d+", found)[:2])
+    if parts < HIGHSPY_MIN:
+        need = ".".join(map(str, HIGHSPY_MIN))
+        raise ImportError(
+            f"monet-opt's solver needs highspy >= {need}, found {found}: pip install -U 'highspy>={need}'"
+        )
+    return highspy
 
 
 def new_highs(highspy, verbose: bool):

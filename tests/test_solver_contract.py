@@ -267,6 +267,29 @@ def test_solve_is_silent_with_verbose_false():
     assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
 
 
+def test_an_older_highspy_than_the_solver_needs_is_named_before_a_solve(monkeypatch):
+    """highspy 1.11-1.15 drop the plans handed to HiGHS' user-solution callback, 1.8-1.10 lack it
+    and 1.7 every callback: a solve with one of them says which version it needs (an
+    ImportError, which the CLI prints as an error) instead of failing or silently doing less."""
+    import importlib.metadata
+
+    from solver import solve
+
+    p = chain(6)
+    budget = int(0.7 * B.no_recompute(p).predicted_peak_bytes)
+    real = importlib.metadata.version
+    for old in ("1.15.1", "1.8.1", "1.7.2"):
+        monkeypatch.setattr(
+            importlib.metadata, "version", lambda name, v=old: v if name == "highspy" else real(name)
+        )
+        with pytest.raises(ImportError, match=rf"highspy >= 1\.16, found {old}"):
+            solve(p, budget, time_limit=5, verbose=False)
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "1.16.0" if name == "highspy" else real(name)
+    )
+    assert solve(p, budget, time_limit=5, verbose=False).predicted_peak_bytes <= budget
+
+
 # -- in-place forwards and shared gradient buffers -------------------------------------------
 
 
