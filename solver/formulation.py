@@ -838,6 +838,35 @@ class Formulation:
         A = self.matrix()
         return A @ x, np.asarray(self.md.r_lo), np.asarray(self.md.r_hi)
 
+    def written_out(self, rows: list[int]) -> list[dict[int, float]]:
+        """Each of `rows` with its `_sum_col` columns written out as the terms they stand for
+        (column -> coefficient; a sum may read earlier sums: written out in turn). The same
+        constraint at any point where each sum column equals its terms (a plan's vector), and
+        what a probe of the rows' structure reads (cover cuts, knapsacks over binaries)."""
+        sums = {y: (cols, coefs) for y, cols, coefs, _r in self.sums}
+        memo: dict[int, dict[int, float]] = {}
+
+        def terms_of(c: int) -> dict[int, float]:
+            if c not in sums:
+                return {c: 1.0}
+            if c not in memo:
+                out: dict[int, float] = {}
+                for c2, v in zip(*sums[c]):
+                    for c3, v3 in terms_of(c2).items():
+                        out[c3] = out.get(c3, 0.0) + v * v3
+                memo[c] = out
+            return memo[c]
+
+        A = self.matrix().tocsr()
+        written = []
+        for r in rows:
+            row: dict[int, float] = {}
+            for c, v in zip(A.indices[A.indptr[r] : A.indptr[r + 1]], A.data[A.indptr[r] : A.indptr[r + 1]]):
+                for c2, v2 in terms_of(int(c)).items():
+                    row[c2] = row.get(c2, 0.0) + v * v2
+            written.append({c: v for c, v in row.items() if abs(v) > 1e-9})
+        return written
+
     def matrix(self) -> sp.csc_matrix:
         md = self.md
         return sp.csc_matrix(

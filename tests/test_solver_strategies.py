@@ -555,6 +555,27 @@ def test_shared_memory_terms_keep_the_lp_the_same():
     assert lp.objective == pytest.approx(ref.fun, rel=1e-6)
 
 
+def test_memory_rows_written_out_read_no_sum_column_and_count_the_same_at_a_plan():
+    """`Formulation.written_out`: each memory row with its shared-term columns replaced by the
+    terms they stand for reads none of them, and at a plan's vector (where each such column is
+    the sum of its terms) has the row's own activity."""
+    import numpy as np
+
+    p = PROBLEMS["resnet_bneck60"]
+    start = B.chen_sqrt(p)
+    an = B.analysis(p)
+    form = Formulation(an, start.predicted_peak_bytes, window=6, warm_plan=B.plan_of(p, start))
+    x = form.plan_to_vector(B.plan_of(p, start))
+    activity, _lo, _hi = form.row_activity(x)
+    sum_cols = {y for y, _c, _v, _r in form.sums}
+    read = [r for r in form.mem_rows if sum_cols & set(form.matrix().tocsr()[r].indices)]
+    assert read, "no memory row reads a sum column in this problem"
+    for r, terms in zip(form.mem_rows, form.written_out(form.mem_rows)):
+        assert not sum_cols & set(terms)
+        assert sum(v * x[c] for c, v in terms.items()) == pytest.approx(activity[r], rel=1e-9, abs=1.0)
+    assert np.isfinite(activity).all()
+
+
 @pytest.mark.parametrize("name", ["resnet_bneck60", "transformer2"])
 def test_rins_improves_a_plan_and_keeps_it_within_budget(name):
     """RINS before each window's MILP: the LP relaxation bounds the MILP from below and the

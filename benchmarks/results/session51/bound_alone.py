@@ -22,27 +22,8 @@ plan = plan_of_schedule(an, schedule)
 form = Formulation(an, schedule.budget_bytes, window=6, warm_plan=plan)
 md = form.md
 if mode == "expand":
-    A = form.matrix().tocsr()
-    sums = {y: dict(zip(cols, coefs)) for y, cols, coefs, _ in form.sums}
-    memo: dict[int, dict[int, float]] = {}
-
-    def expand(y: int) -> dict[int, float]:
-        if y not in memo:
-            out: dict[int, float] = {}
-            for c, v in sums[y].items():
-                for c2, v2 in (expand(c) if c in sums else {c: 1.0}).items():
-                    out[c2] = out.get(c2, 0.0) + v * v2
-            memo[y] = out
-        return memo[y]
-
     nonzeros = 0
-    for r in form.mem_rows:
-        row = A.getrow(r)
-        terms: dict[int, float] = {}
-        for c, v in zip(row.indices, row.data):
-            for c2, v2 in (expand(c) if c in sums else {c: 1.0}).items():
-                terms[c2] = terms.get(c2, 0.0) + v * v2
-        terms = {c: v for c, v in terms.items() if abs(v) > 1e-9}
+    for r, terms in zip(form.mem_rows, form.written_out(form.mem_rows)):
         md.row(list(terms), list(terms.values()), md.r_lo[r], md.r_hi[r])
         nonzeros += len(terms)
     form.n_rows = len(md.r_lo)
