@@ -226,10 +226,21 @@ class BoundRun:
     while plans are found beside it: `offer(plan, objective)` hands it each plan found elsewhere
     that is a plan of `form` (the best so far becomes HiGHS' incumbent when it next asks for
     one: it prunes by it, and stops once its bound proves that plan within `mip_gap`).
-    `result()` waits for the run and returns it (a `MilpResult`); `cancel()` ends it early."""
+    `result()` waits for the run and returns it (a `MilpResult`); `cancel()` ends it early.
+    after: a `threading.Event`; HiGHS starts only once it is set (a cancelled run on another MILP
+    still winding down: HiGHS notices a cancel only between its root's cut rounds, which took 9 s
+    on ResNet-50 b8 224 at 1/3 in session 54, and the caller goes on meanwhile); a run cancelled
+    or out of time before then returns no plan and no bound."""
 
     def __init__(
-        self, form: Formulation, warm, deadline: float, mip_gap: float, threads: int, verbose: bool
+        self,
+        form: Formulation,
+        warm,
+        deadline: float,
+        mip_gap: float,
+        threads: int,
+        verbose: bool,
+        after=None,
     ) -> None:
         import threading
 
@@ -240,9 +251,18 @@ class BoundRun:
         self._pending = None  # the best offered plan's vector HiGHS has not taken yet
         self.best = form.objective(warm)  # the best objective offered (or the warm start's)
         self._out: dict = {}
+        self.started = after is None  # HiGHS has started (not while it waits for `after`)
 
         def run() -> None:
             try:
+                if after is not None:
+                    while not after.wait(0.05):
+                        if self._cancel.is_set() or time.perf_counter() >= deadline:
+                            break
+                    if not after.is_set():
+                        self._out["res"] = not_started(form)
+                        return
+                    self.started = True
                 self._out["res"] = form.solve_highs(
                     max(0.5, deadline - time.perf_counter()),
                     mip_gap=mip_gap,
@@ -289,6 +309,11 @@ class BoundRun:
         return self._out["res"]
 
 
+def not_started(form: Formulation) -> MilpResult:
+    """The result of a run that never started: no plan, no bound."""
+    return MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, form.n_cols, form.n_rows)
+
+
 def highs_beside_polish(
     form: Formulation,
     plan: Plan,
@@ -299,6 +324,7 @@ def highs_beside_polish(
     verbose: bool,
     accept,
     run: BoundRun | None = None,
+    after=None,
 ) -> MilpResult:
     """HiGHS on `form` from `warm` (the vector of `plan`) until `deadline`, in a thread of its
     own (a `BoundRun`; or `run`, one already running on a MILP that holds `form`'s plans), while
@@ -309,9 +335,10 @@ def highs_beside_polish(
     One after the other, HiGHS' run was cut on a stall before its root node was done (ResNet-50
     b8 224, kept gradients, 0.4: 5.7 s, bound below its LP relaxation's) and polishing took the
     rest; HiGHS needs ~10 s for its root bound there (3.4 % against 6.3 %). Its branch and bound
-    is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone."""
+    is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone.
+    after: as `BoundRun`'s (polishing starts at once, HiGHS once it is set)."""
     if run is None:
-        run = BoundRun(form, warm, deadline, mip_gap, threads, verbose)
+        run = BoundRun(form, warm, deadline, mip_gap, threads, verbose, after=after)
 
     def accept_offer(plan: Plan, objective: float) -> bool:
         if accept(plan, objective):

@@ -10,6 +10,7 @@ the schedule returned is the fastest that fits, with its status and proven gap.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -628,6 +629,7 @@ def _ladder(
     # RINS ends in that MILP, else it is stopped (its bound kept) and HiGHS runs on RINS' MILP
     early = None
     early_window = None
+    retired: list = []  # early runs cancelled on a move, whose results are not kept yet
 
     def move_early(to: Formulation, plan: Plan) -> None:
         """RINS goes on from another start's plan, in that start's MILP: the early bound run
@@ -638,23 +640,58 @@ def _ladder(
             return
         if early.form.point_of(plan, to.objective(to.plan_to_vector(plan))) is not None:
             return
-        close_early()
+        # the old run is not waited for: HiGHS may take seconds to notice the cancel (ResNet-50
+        # b8 224, kept gradients, 1/3: 9.3 s in its root, session 54), which RINS goes on in; the
+        # new run starts when the old one has ended, and the old one's result is kept then
+        old, early = early, None
+        old.cancel()
+        retired.append(old)
         # (the MILP built around the plan, if smaller: its bound comes sooner, as after RINS)
         to = _around(an, budget_bytes, early_window, to, plan, backend)
-        early = local_search.BoundRun(to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose)
+        early = local_search.BoundRun(
+            to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose, after=old.done
+        )
         log(
             verbose,
             f"HiGHS' bound run moves to the MILP around the plan RINS goes on from ({to.n_cols} columns)",
         )
 
     def close_early() -> None:
-        """Stop the early bound run (if any) and keep its result as a run of its MILP."""
+        """Stop the early bound run (if any) and keep its result as a run of its MILP, and those
+        of the runs it moved from."""
         nonlocal early
-        if early is None:
-            return
-        run, early = early, None
-        run.cancel()
-        record(early_window, run.result(), run.form, {"early": True}, "HiGHS' early run")
+        if early is not None:
+            retired.append(early)
+            early.cancel()
+            early = None
+        while retired:
+            run = retired.pop(0)
+            res = run.result()
+            if run.started:
+                record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
+            else:
+                log(verbose, "HiGHS' moved bound run never started: the run it moved from was still ending")
+
+    def retire_early():
+        """Stop the early bound run (if any) without waiting for it: None if every stopped run
+        has ended, else an event set once they have (their results are kept by `close_early`)."""
+        nonlocal early
+        if early is not None:
+            early.cancel()
+            retired.append(early)
+            early = None
+        ending = [r.done for r in retired if not r.done.is_set()]
+        if not ending:
+            return None
+        ended = threading.Event()
+
+        def wait_all() -> None:
+            for done in ending:
+                done.wait()
+            ended.set()
+
+        threading.Thread(target=wait_all, name="monet-opt-highs-ending", daemon=True).start()
+        return ended
 
     def record(w, res: MilpResult, f: Formulation, flags: dict, what_run: str) -> None:
         """Keep a finished run of `f` (window `w`): its bound, its attempt, its plan if better."""
@@ -787,7 +824,13 @@ def _ladder(
             # going on, stayed at 0.8140 for 48 s), and the early run's bound still counts
             run, early = early, None
             log(verbose, "RINS ended in the early run's MILP: polishing goes on beside that run")
-        close_early()
+        ending = None
+        if beside:
+            # (polishing starts at once, HiGHS' run once the stopped runs have ended: HiGHS may
+            # take seconds to notice a stop, 8 s on ResNet-50 b8 224 at 1/3 in session 54)
+            ending = retire_early()
+        else:
+            close_early()
         if beside:
             # time mode: HiGHS on this MILP (or the early run's) for the rest of the time,
             # polishing beside it
@@ -801,7 +844,16 @@ def _ladder(
                 return False
 
             res = local_search.highs_beside_polish(
-                form, warm_plan, warm, deadline, mip_gap, threads, verbose, accept_polished, run=run
+                form,
+                warm_plan,
+                warm,
+                deadline,
+                mip_gap,
+                threads,
+                verbose,
+                accept_polished,
+                run=run,
+                after=ending,
             )
             if best_form is form:
                 warm_plan = best[2]  # (the next window starts from the polished plan)

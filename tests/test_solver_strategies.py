@@ -855,6 +855,47 @@ def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch)
     assert res.dual_bound <= res.objective + 1e-9
 
 
+def test_a_bound_run_after_another_starts_when_that_one_has_ended():
+    """`BoundRun(..., after=event)` (the early bound run moving to another MILP while the run it
+    leaves still winds down): HiGHS starts only once `event` is set, then runs as any bound run;
+    cancelled before that, the run ends at once with no plan and no bound."""
+    import threading
+    import time
+
+    form, plan, _accept, times = _from_sqrt_n("resnet_bneck60")
+    warm = form.plan_to_vector(plan)
+    calls = []
+    real = form.solve_highs
+
+    def solve_highs(*args, **kwargs):
+        calls.append(time.perf_counter())
+        return real(*args, **kwargs)
+
+    form.solve_highs = solve_highs
+    gate = threading.Event()
+    run = local_search.BoundRun(form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=gate)
+    time.sleep(0.5)
+    assert not calls and not run.started and not run.done.is_set()
+    opened = time.perf_counter()
+    gate.set()
+    deadline = time.perf_counter() + 10
+    while not calls and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert calls and calls[0] >= opened and run.started
+    run.cancel()
+    res = run.result()
+    assert res.dual_bound is not None and res.dual_bound <= times[0] + 1e-9
+
+    never = local_search.BoundRun(
+        form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=threading.Event()
+    )
+    t0 = time.perf_counter()
+    never.cancel()
+    res = never.result()
+    assert time.perf_counter() - t0 < 2.0 and len(calls) == 1 and not never.started
+    assert res.plan is None and res.dual_bound is None and res.objective is None
+
+
 def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypatch, capfd):
     """With time for it, HiGHS starts on the first window's MILP (the fastest start's) as RINS
     starts, on a thread of its own; its run is recorded (`"early"` in `milp_attempts`) whether
@@ -873,7 +914,9 @@ def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypat
     early = [a for a in s.meta["milp_attempts"] if a.get("early")]
     # (two if it moved to the MILP around the plan RINS went on from: each is recorded)
     assert early and all(a["bound"] is not None for a in early), s.meta["milp_attempts"]
-    assert len(early) == 1 + err.count("HiGHS' bound run moves"), (err, s.meta["milp_attempts"])
+    # (a run moved to that never started, the one before it still ending at the deadline, is not)
+    moved = err.count("HiGHS' bound run moves") - err.count("moved bound run never started")
+    assert len(early) == 1 + moved, (err, s.meta["milp_attempts"])
     obj = s.predicted_time_s
     bounds = [a["bound"] for a in s.meta["milp_attempts"] if a["bound"] is not None]
     assert s.solver.gap is not None
