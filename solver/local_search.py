@@ -310,8 +310,8 @@ class BoundRun:
 
 
 def not_started(form: Formulation) -> MilpResult:
-    """The result of a run that never started: no plan, no bound."""
-    return MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, form.n_cols, form.n_rows)
+    """The result of a run that never started: no plan, no bound (not recorded as a run)."""
+    return MilpResult(None, "not_started", None, None, None, 0.0, 0.0, form.n_cols, form.n_rows)
 
 
 def highs_beside_polish(

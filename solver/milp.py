@@ -667,7 +667,7 @@ def _ladder(
         while retired:
             run = retired.pop(0)
             res = run.result()
-            if run.started:
+            if res.status != "not_started":
                 record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
             else:
                 log(verbose, "HiGHS' moved bound run never started: the run it moved from was still ending")
@@ -869,6 +869,9 @@ def _ladder(
                 stall_s=None if budget_bytes is None else STALL_SHARE * share * remaining,
             )
         last = (w, res)
+        if res.status == "not_started":  # (the stopped runs it waited for ended at the deadline)
+            log(verbose, "HiGHS' last run never started: the runs stopped before it were still ending")
+            break
         results.append((w, res, form if run is None else run.form))
         attempts.append(_attempt(what, w, res) if run is None else {**_attempt(what, w, res), "early": True})
         log(

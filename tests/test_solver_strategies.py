@@ -894,6 +894,7 @@ def test_a_bound_run_after_another_starts_when_that_one_has_ended():
     res = never.result()
     assert time.perf_counter() - t0 < 2.0 and len(calls) == 1 and not never.started
     assert res.plan is None and res.dual_bound is None and res.objective is None
+    assert res.status == "not_started"
 
 
 def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypatch, capfd):
