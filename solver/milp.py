@@ -629,7 +629,7 @@ def _ladder(
     # RINS ends in that MILP, else it is stopped (its bound kept) and HiGHS runs on RINS' MILP
     early = None
     early_window = None
-    retired: list = []  # early runs cancelled on a move, whose results are not kept yet
+    retired: list = []  # early runs stopped and not waited for (`close_early` keeps their results)
 
     def move_early(to: Formulation, plan: Plan) -> None:
         """RINS goes on from another start's plan, in that start's MILP: the early bound run

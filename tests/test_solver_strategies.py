@@ -883,8 +883,9 @@ def test_a_bound_run_after_another_starts_when_that_one_has_ended():
         time.sleep(0.01)
     assert calls and calls[0] >= opened and run.started
     run.cancel()
-    res = run.result()
-    assert res.dual_bound is not None and res.dual_bound <= times[0] + 1e-9
+    res = run.result()  # (a HiGHS run's result, however little of it ran)
+    assert res.status != "not_started" and len(calls) == 1
+    assert res.dual_bound is None or res.dual_bound <= times[0] + 1e-9
 
     never = local_search.BoundRun(
         form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=threading.Event()
