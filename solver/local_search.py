@@ -227,7 +227,7 @@ class BoundRun:
     that is a plan of `form` (the best so far becomes HiGHS' incumbent when it next asks for
     one: it prunes by it, and stops once its bound proves that plan within `mip_gap`).
     `result()` waits for the run and returns it (a `MilpResult`); `cancel()` ends it early.
-    after: a `threading.Event`; HiGHS starts only once it is set (a cancelled run on another MILP
+    after: `threading.Event`s; HiGHS starts only once every one is set (cancelled runs on other MILPs
     still winding down: HiGHS notices a cancel only at points of its own, 9 s after it in its root
     on ResNet-50 b8 224 at 1/3 in session 54, and the caller goes on meanwhile); a run cancelled
     or out of time before then returns no plan and no bound."""
@@ -251,18 +251,18 @@ class BoundRun:
         self._pending = None  # the best offered plan's vector HiGHS has not taken yet
         self.best = form.objective(warm)  # the best objective offered (or the warm start's)
         self._out: dict = {}
-        self.started = after is None  # HiGHS has started (not while it waits for `after`)
+        self.started = not after  # HiGHS has started (not while it waits for `after`)
 
         def run() -> None:
             try:
-                if after is not None:
-                    while not after.wait(0.05):
-                        if self._cancel.is_set() or time.perf_counter() >= deadline:
-                            break
-                    if not after.is_set():
+                while not self.started:
+                    if all(event.is_set() for event in after):
+                        self.started = True
+                    elif self._cancel.is_set() or time.perf_counter() >= deadline:
                         self._out["res"] = not_started(form)
                         return
-                    self.started = True
+                    else:
+                        time.sleep(0.05)
                 self._out["res"] = form.solve_highs(
                     max(0.5, deadline - time.perf_counter()),
                     mip_gap=mip_gap,
@@ -336,7 +336,7 @@ def highs_beside_polish(
     b8 224, kept gradients, 0.4: 5.7 s, bound below its LP relaxation's) and polishing took the
     rest; HiGHS needs ~10 s for its root bound there (3.4 % against 6.3 %). Its branch and bound
     is mostly serial: beside one polishing worker it reached the same bound in 10 s as alone.
-    after: as `BoundRun`'s (polishing starts at once, HiGHS once it is set)."""
+    after: as `BoundRun`'s (polishing starts at once, HiGHS once they are set)."""
     if run is None:
         run = BoundRun(form, warm, deadline, mip_gap, threads, verbose, after=after)
 

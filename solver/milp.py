@@ -10,7 +10,6 @@ the schedule returned is the fastest that fits, with its status and proven gap.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -643,27 +642,30 @@ def _ladder(
         # the old run is not waited for: HiGHS may take seconds to notice the cancel (ResNet-50
         # b8 224, kept gradients, 1/3: 9.3 s in its root, session 54), which RINS goes on in; the
         # new run starts when the old one has ended, and the old one's result is kept then
-        old, early = early, None
-        old.cancel()
-        retired.append(old)
+        old = early
+        stop_early()
         # (the MILP built around the plan, if smaller: its bound comes sooner, as after RINS)
         to = _around(an, budget_bytes, early_window, to, plan, backend)
         early = local_search.BoundRun(
-            to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose, after=old.done
+            to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose, after=[old.done]
         )
         log(
             verbose,
             f"HiGHS' bound run moves to the MILP around the plan RINS goes on from ({to.n_cols} columns)",
         )
 
+    def stop_early() -> None:
+        """Stop the early bound run (if any) without waiting for it; `close_early` keeps its result."""
+        nonlocal early
+        if early is not None:
+            early.cancel()
+            retired.append(early)
+            early = None
+
     def close_early() -> None:
         """Stop the early bound run (if any) and keep its result as a run of its MILP, and those
         of the runs it moved from."""
-        nonlocal early
-        if early is not None:
-            retired.append(early)
-            early.cancel()
-            early = None
+        stop_early()
         while retired:
             run = retired.pop(0)
             res = run.result()
@@ -671,27 +673,6 @@ def _ladder(
                 record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
             else:
                 log(verbose, "HiGHS' moved bound run never started: the run it moved from was still ending")
-
-    def retire_early():
-        """Stop the early bound run (if any) without waiting for it: None if every stopped run
-        has ended, else an event set once they have (their results are kept by `close_early`)."""
-        nonlocal early
-        if early is not None:
-            early.cancel()
-            retired.append(early)
-            early = None
-        ending = [r.done for r in retired if not r.done.is_set()]
-        if not ending:
-            return None
-        ended = threading.Event()
-
-        def wait_all() -> None:
-            for done in ending:
-                done.wait()
-            ended.set()
-
-        threading.Thread(target=wait_all, name="monet-opt-highs-ending", daemon=True).start()
-        return ended
 
     def record(w, res: MilpResult, f: Formulation, flags: dict, what_run: str) -> None:
         """Keep a finished run of `f` (window `w`): its bound, its attempt, its plan if better."""
@@ -824,16 +805,13 @@ def _ladder(
             # going on, stayed at 0.8140 for 48 s), and the early run's bound still counts
             run, early = early, None
             log(verbose, "RINS ended in the early run's MILP: polishing goes on beside that run")
-        ending = None
-        if beside:
-            # (polishing starts at once, HiGHS' run once the stopped runs have ended: HiGHS may
-            # take seconds to notice a stop, 8 s on ResNet-50 b8 224 at 1/3 in session 54)
-            ending = retire_early()
-        else:
-            close_early()
         if beside:
             # time mode: HiGHS on this MILP (or the early run's) for the rest of the time,
-            # polishing beside it
+            # polishing beside it; polishing starts at once, HiGHS' run once the stopped runs
+            # have ended (HiGHS may take seconds to notice a stop, 8 s on ResNet-50 b8 224 at 1/3
+            # in session 54)
+            stop_early()
+            ending = [r.done for r in retired if not r.done.is_set()]
             polished_beside = True
 
             def accept_polished(plan, objective: float, form=form) -> bool:
@@ -858,6 +836,7 @@ def _ladder(
             if best_form is form:
                 warm_plan = best[2]  # (the next window starts from the polished plan)
         else:
+            close_early()
             # time mode keeps a share for polishing the incumbent if this MILP runs out of time
             share = 1.0 if budget_bytes is None else 1.0 - POLISH_SHARE
             res = form.solve_milp(

@@ -856,7 +856,7 @@ def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch)
 
 
 def test_a_bound_run_after_another_starts_when_that_one_has_ended():
-    """`BoundRun(..., after=event)` (the early bound run moving to another MILP while the run it
+    """`BoundRun(..., after=[event])` (the early bound run moving to another MILP while the run it
     leaves still winds down): HiGHS starts only once `event` is set, then runs as any bound run;
     cancelled before that, the run ends at once with no plan and no bound."""
     import threading
@@ -873,7 +873,7 @@ def test_a_bound_run_after_another_starts_when_that_one_has_ended():
 
     form.solve_highs = solve_highs
     gate = threading.Event()
-    run = local_search.BoundRun(form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=gate)
+    run = local_search.BoundRun(form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=[gate])
     time.sleep(0.5)
     assert not calls and not run.started and not run.done.is_set()
     opened = time.perf_counter()
@@ -888,7 +888,7 @@ def test_a_bound_run_after_another_starts_when_that_one_has_ended():
     assert res.dual_bound is None or res.dual_bound <= times[0] + 1e-9
 
     never = local_search.BoundRun(
-        form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=threading.Event()
+        form, warm, time.perf_counter() + 60, 1e-4, 1, False, after=[threading.Event()]
     )
     t0 = time.perf_counter()
     never.cancel()
