@@ -86,7 +86,16 @@ def with_spec(impls: list[Implementation], spec: Spec | None) -> list[Implementa
     """The implementations, each running under `spec` (unchanged for None)."""
     if not spec:
         return impls
-    return [dataclasses.replace(impl, run=_running_under(impl.run, spec)) for impl in impls]
+    return [
+        dataclasses.replace(
+            impl,
+            run=_running_under(impl.run, spec),
+            state_from_inputs=None
+            if impl.state_from_inputs is None
+            else _running_under(impl.state_from_inputs, spec),
+        )
+        for impl in impls
+    ]
 
 
 def _running_under(run, spec: Spec):

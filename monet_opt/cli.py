@@ -366,6 +366,12 @@ def cmd_inspect(args) -> int:
             print(f"  {st.name:<36} {len(comp):>10}  {', '.join(comp[:6])}{' ...' if len(comp) > 6 else ''}")
     rec = s.recomputed()
     print(f"  {len(rec)} nodes recomputed, {sum(rec.values())} recompute steps in all")
+    made = [x.node for st in s.stages for x in st.steps if x.op == "make_state"]
+    if made:
+        print(
+            f"  {len(made)} backward states made from held inputs, without a forward: "
+            f"{', '.join(made[:6])}{' ...' if len(made) > 6 else ''}"
+        )
     return 0
 
 

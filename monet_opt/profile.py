@@ -223,6 +223,22 @@ def _root(grads: list, outs: list) -> torch.Tensor:
     return _Root.apply(box, *outs)
 
 
+def _makes_state_from_inputs(
+    impl: Implementation, target: Any, args: tuple, kwargs: dict, flat_out: list
+) -> bool:
+    """Whether `impl.state_from_inputs` applies to this node: on the example, without grad (no
+    graph, no work), it returns a stand-in of the output's shape and dtype."""
+    if impl.state_from_inputs is None or len(flat_out) != 1:
+        return False
+    try:
+        with torch.no_grad():
+            stand_in = impl.state_from_inputs(target, args, kwargs, True)
+    except RuntimeError:
+        return False
+    out = flat_out[0]
+    return isinstance(stand_in, torch.Tensor) and stand_in.shape == out.shape and stand_in.dtype == out.dtype
+
+
 def measure_node(
     node: fx.Node,
     target: Any,
@@ -762,6 +778,11 @@ def _build_problem(
                     grad_in_place=in_place,
                     grad_shared=shared,
                     fwd_in_place=writes_into,
+                    bwd_from_inputs=fx_node.name in requires_grad
+                    and not entry["keeps_output"]
+                    and not entry["state_bytes"]
+                    and writes_into is None
+                    and _makes_state_from_inputs(impl, target, args, kwargs, flat_out),
                 )
             )
         if any(i.name == CONSUMER_IMPL for i in impl_rows):

@@ -47,6 +47,9 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
                               kept: a_b S[0,b]) + a_i + private bytes of F states so far
                               + workspace of i <= budget
   minimise                    forward + backward + recompute time of the chosen implementations
+                              (R[s,t,m] of an implementation with `bwd_from_inputs`: a make_state
+                              step, no forward time, and its step row counts no output or
+                              workspace of t)
 
 Recompute windows: the full grid has O(n^2) columns (ResNet-50 at 224: 80k columns,
 133k rows; HiGHS does not finish even the LP relaxation in 120 s). A window w keeps
@@ -328,7 +331,9 @@ class Formulation:
                     continue
                 ims = an.impls[i]
                 Rs[i] = [
-                    md.var(cost=an.recompute_time(i, m) + (ims[m].bwd_time if i == t else 0.0))
+                    md.var(cost=an.own_stage_time(t, m) + ims[m].bwd_time)
+                    if i == t
+                    else md.var(cost=an.recompute_time(i, m))
                     for m in range(nimp[i])
                 ]
                 if i != t:  # restores (`Restore`): after the implementations, from a consumer's state
@@ -560,6 +565,8 @@ class Formulation:
                     # a view input's storage is already counted: its base is held at the start
                     # or recomputed here, and counts until the last reader of it or of its views
                     for m, c in enumerate(rc):
+                        if i == t and an.makes_state_only(t, m):
+                            continue  # (a make_state step: no output, no workspace)
                         cols.append(c)
                         coefs.append(float(an.a[i] + an.step_workspace(i, m)))
                     self._mem_row(cols, coefs, an.stage_const[s])
@@ -900,7 +907,8 @@ class Formulation:
         node's backward reads the state of one computation of it, with that computation's
         implementation: the first (its forward and backward time), or a recomputation (some first
         forward, then the implementation's recompute time, the runtime's overhead per
-        recomputation and its backward). Nothing recomputed, every node at its fastest
+        recomputation and its backward; an implementation whose state is made from its inputs,
+        `Impl.bwd_from_inputs`, no recompute time). Nothing recomputed, every node at its fastest
         implementation, reaches it wherever keeping is the cheaper of the two."""
         overhead = an.problem.recompute_overhead_s
         backward = set(an.bw)
@@ -912,7 +920,15 @@ class Formulation:
                 continue
             kept = min(im.fwd_time + im.bwd_time for im in ims)
             again = min(
-                (im.fwd_time if im.recompute_time is None else im.recompute_time) + im.bwd_time for im in ims
+                (
+                    0.0
+                    if im.bwd_from_inputs
+                    else im.fwd_time
+                    if im.recompute_time is None
+                    else im.recompute_time
+                )
+                + im.bwd_time
+                for im in ims
             )
             total += min(kept, first + overhead + again)
         return total

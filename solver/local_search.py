@@ -415,7 +415,7 @@ def polish(
         work = [0.0] * an.T  # recompute time of each stage
         for s, st in enumerate(plan.stages):
             for i, m, _g in st.recompute:
-                cost = an.recompute_time(i, m)
+                cost = an.own_stage_time(i, m) if i == an.bw[s] else an.recompute_time(i, m)
                 recomputed[i] += cost
                 work[s] += cost
         hoods: list[tuple[float, str, range, float]] = []

@@ -253,6 +253,19 @@ class Analysis:
         im = self.impls[i][m]
         return (im.fwd_time if im.recompute_time is None else im.recompute_time) + overhead
 
+    def makes_state_only(self, t: int, m: int) -> bool:
+        """Whether recompute entry (t, m) in t's own backward stage is emitted as a make_state
+        step (`Impl.bwd_from_inputs`): nothing else reads t's output there, so only its state is
+        made, from its inputs, without running its forward."""
+        return m < self.nimp[t] and self.impls[t][m].bwd_from_inputs
+
+    def own_stage_time(self, t: int, m: int) -> float:
+        """Time of recompute entry (t, m) in t's own backward stage: a make_state step's
+        (`makes_state_only`: the problem's `recompute_overhead_s` alone), else `recompute_time`."""
+        if self.makes_state_only(t, m):
+            return self.problem.recompute_overhead_s
+        return self.recompute_time(t, m)
+
     def step_workspace(self, i: int, m: int) -> int:
         """Transient bytes of recompute entry (i, m) beyond its output."""
         if m >= self.nimp[i]:
@@ -542,7 +555,11 @@ def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
         rec: list[tuple[int, int, bool]] = []
         for step in stage.steps:
             i = idx[step.node]
-            if step.op == "compute":
+            if step.op == "make_state":
+                m = an.step_index(i, step.impl)
+                states[i] = m
+                rec.append((i, m, True))
+            elif step.op == "compute":
                 m = an.step_index(i, step.impl)
                 held.add(i)
                 if step.grad:
@@ -643,6 +660,15 @@ def emit(an: Analysis, plan: Plan) -> list[Stage]:
                         f"stage {s} ({names[t]}): restore of {names[i]} needs the state of {names[c]}"
                     )
                 g = False
+            if i == t and g and an.rb[t] and an.makes_state_only(t, m):
+                # (nothing else in the stage reads t, and no later stage: its state alone)
+                steps.append(Step("make_state", names[t], an.step_name(t, m)))
+                held_states[t] = m
+                for j in an.uinputs[t]:
+                    if last_use.get(j) == k and j not in sp.carry_vals and j in held_vals:
+                        steps.append(Step("free_value", names[j]))
+                        held_vals.discard(j)
+                continue
             steps.append(Step("compute", names[i], an.step_name(i, m), bool(g and an.rb[i])))
             held_vals.add(i)
             if g and an.rb[i]:
@@ -684,7 +710,7 @@ def plan_time(an: Analysis, plan: Plan) -> float:
     state = {i: plan.impl[i] for i in plan.F if an.rb[i]}
     for s, t in enumerate(an.bw):
         for i, m, g in plan.stages[s].recompute:
-            total += an.recompute_time(i, m)
+            total += an.own_stage_time(i, m) if i == t else an.recompute_time(i, m)
             if g and an.rb[i] and not an.is_restore(i, m):
                 state[i] = m
         total += impls[t][state[t]].bwd_time

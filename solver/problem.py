@@ -19,9 +19,9 @@ from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
 # 6: Node.restores; 7: Problem.recompute_overhead_s; 8: Impl.grad_shared without grad_in_place;
-# 9: Node.output_grad; 10: Node.user_holds
-PROBLEM_FORMAT_VERSION = 10
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # (older files still load)
+# 9: Node.output_grad; 10: Node.user_holds; 11: Impl.bwd_from_inputs
+PROBLEM_FORMAT_VERSION = 11
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -58,6 +58,11 @@ class Impl:
         into (an in-place ReLU or addition) when nothing but that input's own handle holds
         the storage and the schedule frees that input right after this step; None if the
         output always gets a new storage. See `solver.simulate`.
+    bwd_from_inputs: the backward reads nothing but the inputs it keeps (`keeps_inputs`; no
+        private state, not the output), so its state can be made from those inputs without
+        running the forward (a schedule's `make_state` step: a convolution's backward from its
+        input and weight). In the node's own backward stage, where nothing else reads its
+        output, that replaces a recomputation: no forward time, no output storage.
     """
 
     name: str
@@ -72,6 +77,7 @@ class Impl:
     recompute_time: float | None = None
     grad_shared: tuple[int, ...] = ()
     fwd_in_place: int | None = None
+    bwd_from_inputs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
@@ -275,6 +281,14 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                 raise ProblemError(
                     f"node {node.name!r} impl {impl.name!r}: fwd_in_place {impl.fwd_in_place} "
                     "is not an input position of a node that owns its output"
+                )
+            if impl.bwd_from_inputs and (
+                impl.keeps_output or impl.state_bytes or impl.fwd_in_place is not None
+            ):
+                raise ProblemError(
+                    f"node {node.name!r} impl {impl.name!r}: bwd_from_inputs needs a backward that "
+                    "keeps its inputs and nothing else (not its output, no private state bytes) "
+                    "and a forward that is not in place"
                 )
             if min(impl.fwd_time, impl.bwd_time, impl.recompute_time or 0.0) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")

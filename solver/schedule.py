@@ -6,6 +6,9 @@ A stage is a list of steps, executed in order:
 
   compute      node, impl, grad  run the node with that implementation; with grad=True
                                  it also creates the node's backward state
+  make_state   node, impl        make the node's backward state from its inputs, without running
+                                 its forward (an implementation with `Impl.bwd_from_inputs`): no
+                                 output, no value handle
   backward     node              run the node's backward (needs its state and gradient)
   free_value   node              drop the schedule's handle on the node's output
   free_state   node              drop the node's backward state
@@ -25,7 +28,7 @@ from pathlib import Path
 from solver.jsonio import atomic_write_text, read_json_object
 
 SCHEDULE_FORMAT_VERSION = 1
-STEP_OPS = ("compute", "backward", "free_value", "free_state")
+STEP_OPS = ("compute", "make_state", "backward", "free_value", "free_state")
 
 
 class ScheduleError(ValueError):
@@ -48,6 +51,8 @@ class Step:
         if self.op == "compute":
             d["impl"] = self.impl
             d["grad"] = self.grad
+        elif self.op == "make_state":
+            d["impl"] = self.impl
         return d
 
 

@@ -69,11 +69,17 @@ grad) reads none of the node's inputs; the consumer's state it names, made with 
 implementation, must be held. Peak: live + output_bytes + the restore's workspace; the
 output is a new storage.
 
+A make_state step (in a backward stage, an implementation with `bwd_from_inputs`) makes the
+node's backward state from its inputs, which must be held, without running the forward: the
+state holds the storages of the inputs it keeps, no private bytes; no output, no handle, no
+transient.
+
 Time is the sum of `fwd_time` of a node's first compute step, `recompute_time`
 (if given, else `fwd_time`) of each later one (a recomputation, which may reuse what
 the first computation left, e.g. batch statistics), the `time` of each restore, and `bwd_time`
 of every backward step, with the implementation named in the step; and the problem's
-`recompute_overhead_s` for every compute step (recomputation or restore) in a backward stage:
+`recompute_overhead_s` for every compute step (recomputation or restore) and every make_state
+step in a backward stage:
 the runtime's own cost of running a node outside the forward (its dispatch, and the separate
 autograd graph a recomputation with grad gets).
 
@@ -196,6 +202,14 @@ class _Replay:
                     else:
                         forward += t
                     time += t
+                elif step.op == "make_state":
+                    if s_idx == 0:
+                        raise ScheduleInvalid(
+                            f"{where}: a state is made from inputs only in a backward stage"
+                        )
+                    self._make_state(node, step.impl, where)
+                    recompute += self.p.recompute_overhead_s
+                    time += self.p.recompute_overhead_s
                 elif step.op == "backward":
                     time += self._backward(node, where)
                 elif step.op == "free_value":
@@ -283,6 +297,23 @@ class _Replay:
         if again and impl.recompute_time is not None:
             return impl.recompute_time
         return impl.fwd_time
+
+    def _make_state(self, node: Node, impl_name: str | None, where: str) -> None:
+        impl = next((i for i in node.impls if i.name == impl_name), None)
+        if impl is None or not impl.bwd_from_inputs:
+            raise ScheduleInvalid(
+                f"{where}: implementation {impl_name!r} cannot make its state from its inputs "
+                "(no such implementation, or its bwd_from_inputs is False)"
+            )
+        for inp in node.inputs:
+            if inp not in self.handle:
+                raise ScheduleInvalid(f"{where}: input {inp!r} is not available (not held)")
+        if node.name in self.states:
+            self._drop_state(node.name)
+        held = [self.handle[node.inputs[p]] for p in impl.keeps_inputs]
+        for h in held:
+            self._hold(h, ("s", node.name))
+        self.states[node.name] = (impl, 0, held)
 
     def _restore(self, node: Node, restore: Restore, grad: bool, where: str) -> float:
         if grad or not self.backward_started:
@@ -400,7 +431,7 @@ def _frees_after(steps, k: int) -> frozenset[str]:
     freed = set()
     for step in steps[k + 1 :]:
         if step.op != "free_value":
-            if step.op in ("compute", "backward"):
+            if step.op in ("compute", "make_state", "backward"):
                 break
             continue
         freed.add(step.node)

@@ -523,11 +523,30 @@ def with_restores(
     return dataclasses.replace(problem, nodes=tuple(nodes), fingerprint=problem.fingerprint + ":restores")
 
 
+def with_state_from_inputs(problem: Problem, op: str = "conv2d") -> Problem:
+    """The problem with every implementation of an `op` node that keeps only inputs (no output,
+    no private bytes, not in place) marked `bwd_from_inputs`: its state can be made from its inputs
+    without its forward, as the runtime does for a convolution (a schedule's `make_state` step)."""
+    nodes = []
+    for n in problem.nodes:
+        if n.op == op:
+            impls = tuple(
+                dataclasses.replace(im, bwd_from_inputs=True)
+                if not im.keeps_output and not im.state_bytes and im.fwd_in_place is None
+                else im
+                for im in n.impls
+            )
+            n = dataclasses.replace(n, impls=impls)
+        nodes.append(n)
+    return dataclasses.replace(problem, nodes=tuple(nodes), fingerprint=problem.fingerprint + ":from_inputs")
+
+
 def problem_zoo() -> dict[str, Problem]:
     """The small zoo the strategy tests sweep over."""
     return {
         "chain8": chain(8, seed=1),
         "chain12": chain(12, seed=2),
+        "chain12_from_inputs": with_state_from_inputs(chain(12, seed=2)),
         "resnet50": resnet(50, seed=3),
         "resnet_bneck60": resnet(60, seed=4, bottleneck=True),
         "random10": random_dag(10, seed=5),

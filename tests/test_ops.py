@@ -766,6 +766,45 @@ def test_conv_implementations_match(cfg, batch):
             assert torch.equal(y, ref)  # the forward is torch's own
 
 
+@pytest.mark.parametrize("cfg", CONV_CONFIGS, ids=[str(c) for c in CONV_CONFIGS])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_conv_state_from_input_gives_the_defaults_gradients_bit_for_bit(cfg, layout):
+    """`state_from_inputs` (a schedule's make_state) of the default and of "chunked_backward": no
+    forward, a stand-in of the output's shape that holds one element, and the implementation's
+    own backward: its gradients bit for bit. Where it cannot (string padding, a padding mode), it
+    is absent or raises."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(**cfg)
+    x0 = torch.randn(3, cfg["in_channels"], 11, 10)
+    if layout == "channels_last":
+        x0 = x0.to(memory_format=torch.channels_last)
+    xr = x0.clone().requires_grad_()
+    ref = conv(xr)
+    g = torch.randn_like(ref)
+    params = list(conv.parameters())
+    ref_g = grads_of(ref, [xr] + params, g)
+    default = impls("call_module", conv)["default"]
+    xi = x0.clone().requires_grad_()
+    if cfg.get("padding_mode", "zeros") != "zeros" or isinstance(cfg.get("padding"), str):
+        assert default.state_from_inputs is None
+        functional = impls("call_function", F.conv2d)["default"]
+        with pytest.raises(RuntimeError, match="numeric padding"):
+            functional.state_from_inputs(F.conv2d, (xi, conv.weight), {"padding": "same"}, True)
+        return
+    found = impls("call_module", conv)
+    for name in ("default", "chunked_backward"):  # (each against its own run's gradients)
+        if name != "default":
+            xr = x0.clone().requires_grad_()
+            ref_g = grads_of(run(found[name], conv, (xr,)), [xr] + params, g)
+        xi = x0.clone().requires_grad_()
+        stand_in = found[name].state_from_inputs(conv, (xi,), {}, True)
+        assert stand_in.shape == ref.shape and stand_in.dtype == ref.dtype
+        assert stand_in.untyped_storage().nbytes() == stand_in.element_size()
+        got = grads_of(stand_in, [xi] + params, g)
+        for a, b in zip(got, ref_g):
+            assert torch.equal(a, b), name
+
+
 def test_conv_functional_and_channels_last():
     w = torch.randn(6, 3, 3, 3, requires_grad=True)
     b = torch.randn(6, requires_grad=True)

@@ -2090,3 +2090,20 @@ def test_batch_norm_with_a_cumulative_average_profiles_and_trains_like_plain(mon
     plain = assert_same_gradients(model, wrapped, x, "momentum=None")
     for (name, a), b in zip(plain.named_buffers(), model.buffers()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"buffer {name}")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "googlenet"])
+def test_convolution_states_made_from_their_inputs_give_plain_gradients(name):
+    """A schedule that keeps every value but no convolution's state makes each state in the
+    convolution's own stage from its held input (`make_state`, no forward): plain PyTorch's
+    gradients and BatchNorm statistics, peak as predicted, over two steps. The profile marks
+    every convolution of these models so (`Impl.bwd_from_inputs`, the default implementation)."""
+    model, x, problem = setup(name)
+    an = baselines.analysis(problem)
+    convs = {i for i, nd in enumerate(problem.nodes) if nd.op == "conv2d"}
+    assert convs and all(problem.nodes[i].impl("default").bwd_from_inputs for i in convs)
+    F = {i for i in range(an.n) if an.rb[i]} - convs
+    schedule = baselines.policy_schedule(problem, F=F, K=set(range(an.n)))
+    made = [x.node for st in schedule.stages for x in st.steps if x.op == "make_state"]
+    assert sorted(made) == sorted(problem.nodes[i].name for i in convs if an.rb[i])
+    check_schedule(name, schedule)

@@ -594,3 +594,127 @@ def test_a_dropped_output_is_counted_to_the_end_of_the_forward():
     assert res.plan is not None
     sim = simulate(p, to_schedule(an, res.plan, "milp", SolverInfo(name="highs-milp")))
     assert sim.peak_bytes <= res.x[form.peak_col] + 2  # (the column is in MiB for HiGHS)
+
+
+def _conv_chain(from_inputs: bool) -> Problem:
+    """a (reads the model input) -> c (a convolution keeping a; its state from its input when
+    `from_inputs`) -> loss."""
+    from solver import Impl, Node
+
+    return Problem(
+        nodes=(
+            Node("a", "relu", (), 100, (Impl("d", 1.0, 1.0, keeps_output=True),), 100, None, True),
+            Node(
+                "c",
+                "conv2d",
+                ("a",),
+                300,
+                (Impl("d", 5.0, 7.0, fwd_workspace=50, keeps_inputs=(0,), bwd_from_inputs=from_inputs),),
+                300,
+                None,
+                True,
+            ),
+            Node(
+                "loss",
+                "loss",
+                ("c",),
+                4,
+                (Impl("d", 1.0, 1.0, keeps_inputs=(0,)),),
+                grad_bytes=4,
+                requires_backward=True,
+                is_output=True,
+            ),
+        ),
+        fingerprint="x",
+        recompute_overhead_s=0.25,
+    )
+
+
+def _make_state_schedule(op: str) -> Schedule:
+    """Forward keeps a and no state of c; c's own stage makes c's state (`op`) from a."""
+    fwd = [
+        Step("compute", "a", "d", True),
+        Step("compute", "c", "d", False),
+        Step("compute", "loss", "d", True),
+        Step("free_value", "c"),
+    ]
+    make = Step("compute", "c", "d", True) if op == "compute" else Step("make_state", "c", "d")
+    stages = [
+        Stage("forward", tuple(fwd)),
+        Stage("backward:loss", (Step("backward", "loss"),)),
+        Stage(
+            "backward:c",
+            (make, *([Step("free_value", "c")] if op == "compute" else []), Step("backward", "c")),
+        ),
+        Stage("backward:a", (Step("backward", "a"),)),
+    ]
+    from solver import SolverInfo
+
+    return Schedule("x", None, 0, 0.0, SolverInfo("t"), "t", tuple(stages))
+
+
+def test_make_state_makes_a_state_from_held_inputs_without_the_forward(tmp_path):
+    """A make_state step (Impl.bwd_from_inputs) costs the recompute overhead alone, makes no
+    output and holds the kept input's storage; a recomputation with grad in its place costs the
+    forward, its output and workspace. The step survives JSON; plan_of_schedule reads it back."""
+    problem = _conv_chain(True)
+    made = simulate(problem, _make_state_schedule("make_state"))
+    recomputed = simulate(problem, _make_state_schedule("compute"))
+    assert made.time_s == pytest.approx(recomputed.time_s - 5.0)
+    assert made.recompute_time_s == pytest.approx(0.25)
+    assert recomputed.recompute_time_s == pytest.approx(5.25)
+    stage_c = [live for st, _k, live in made.timeline if st == "backward:c"]
+    before = [live for st, _k, live in made.timeline if st == "backward:loss"][-1]
+    assert stage_c[0] == before  # make_state adds nothing
+    # c's stage: with make_state the peak is c's backward making a's gradient (100 bytes); the
+    # recomputation's is c's output and forward workspace
+    assert made.stage_peaks[2] == before + 100
+    assert recomputed.stage_peaks[2] == before + 300 + 50
+    path = tmp_path / "s.json"
+    _make_state_schedule("make_state").to_json(path)
+    again = Schedule.from_json(path)
+    assert again.stages[2].steps[0] == Step("make_state", "c", "d")
+    an = B.analysis(problem)
+    plan = B.plan_of_schedule(an, again)
+    assert plan.stages[1].recompute == [(1, 0, True)]
+    assert B.plan_time(an, plan) == pytest.approx(made.time_s)
+
+
+def test_make_state_is_refused_where_it_cannot_run():
+    """Without bwd_from_inputs, in the forward, or with the input not held: the simulator names
+    the step; a problem cannot mark an implementation that keeps its output or private bytes."""
+    with pytest.raises(ScheduleInvalid, match="cannot make its state from its inputs"):
+        simulate(_conv_chain(False), _make_state_schedule("make_state"))
+    s = _make_state_schedule("make_state")
+    forward = Stage("forward", (*s.stages[0].steps, Step("make_state", "c", "d")))
+    with pytest.raises(ScheduleInvalid, match="only in a backward stage"):
+        simulate(_conv_chain(True), _with_stages(s, (forward, *s.stages[1:])))
+    dropped = Stage("backward:loss", (Step("backward", "loss"), Step("free_value", "a")))
+    with pytest.raises(ScheduleInvalid, match="input 'a' is not available"):
+        simulate(_conv_chain(True), _with_stages(s, (s.stages[0], dropped, *s.stages[2:])))
+    from solver import Impl
+
+    for bad in (dict(keeps_output=True), dict(state_bytes=8), dict(fwd_in_place=0)):
+        impl = Impl("d", 1.0, 1.0, keeps_inputs=(0,), bwd_from_inputs=True, **bad)
+        with pytest.raises(ProblemError, match="bwd_from_inputs"):
+            _with_node(_conv_chain(True), 1, impls=(impl,))
+
+
+def test_the_milp_makes_states_from_inputs_where_that_is_faster():
+    """On a chain whose convolutions can make their state from their input, the solve's schedule
+    has make_state steps, replays within budget, and is faster than the same chain's without."""
+    from solver.synthetic import with_state_from_inputs
+
+    plain = chain(12, seed=2)
+    marked = with_state_from_inputs(plain)
+    budget = int(0.6 * no_recompute(plain).predicted_peak_bytes)
+    without = solve(plain, budget, time_limit=20, verbose=False)
+    with_ = solve(marked, budget, time_limit=20, verbose=False)
+    assert with_.solver.status == without.solver.status == "optimal"
+    steps = [x for st in with_.stages for x in st.steps if x.op == "make_state"]
+    assert steps and all(
+        st.name == f"backward:{x.node}" for st in with_.stages for x in st.steps if x.op == "make_state"
+    )
+    sim = simulate(marked, with_)
+    assert sim.peak_bytes <= budget and sim.time_s == pytest.approx(with_.predicted_time_s)
+    assert with_.predicted_time_s < 0.95 * without.predicted_time_s

@@ -130,7 +130,9 @@ def implementations_for(op: str, target: Any, example_args=None, example_kwargs=
     # (one not written for autocast runs the default under it: a schedule solved without
     # autocast may be trained with it)
     return [
-        i if i.autocast else dataclasses.replace(i, run=_default_under_autocast(i.run, impls[0].run))
+        i
+        if i.autocast
+        else dataclasses.replace(i, run=_default_under_autocast(i.run, impls[0].run), state_from_inputs=None)
         for i in impls
     ]
 

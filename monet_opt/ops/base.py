@@ -49,7 +49,16 @@ class Implementation:
     autocast: runs under torch.autocast as the default does (the default's dtypes, its
     arithmetic up to rounding). False where it cannot (batch norm rebuilding its input from a
     bfloat16 output): under autocast the node's default runs instead (`implementations_for`),
-    and `build_problem` under autocast does not offer it."""
+    and `build_problem` under autocast does not offer it.
+
+    state_from_inputs: called as `run` is (with grad enabled, in a backward stage), it makes the
+    node's backward state from its inputs without running the forward: it returns a stand-in
+    for the output (its shape and dtype, no storage of its size) whose backward is this
+    implementation's very backward (a convolution's `aten.convolution_backward` on its input and
+    weight). It raises RuntimeError where the node's arguments do not allow it (the profiler
+    tries it on the example, and offers it where it returns the output's shape and dtype). The
+    schedule's `make_state` step; the problem's `Impl.bwd_from_inputs`. None: the
+    implementation cannot."""
 
     name: str
     run: Callable[..., Any]
@@ -60,6 +69,7 @@ class Implementation:
     value_state_bytes: Callable[[tuple, dict], int] | None = None
     bitwise: bool = True
     autocast: bool = True
+    state_from_inputs: Callable[..., Any] | None = None
 
 
 def call_target(target: Any, args: tuple, kwargs: dict) -> Any:

@@ -1,6 +1,9 @@
 """2-d convolution: torch's kernel, or batch-chunked execution.
 
-- "default": F.conv2d; backward keeps the input (and the weight, a parameter).
+- "default": F.conv2d; backward keeps the input (and the weight, a parameter). Its state can be
+  made from the input alone, without the forward (`Conv2dFromInput`: a schedule's `make_state`,
+  in the convolution's own backward stage, where a recomputation would run the forward only to
+  make the autograd node).
 - "chunked": the batch is split into 2 chunks, each convolved (forward) and differentiated
   (backward, via aten.convolution_backward) separately, results written into preallocated
   tensors. Keeps the same tensors as default (input + weight); what it buys is a smaller
@@ -200,6 +203,63 @@ class Conv2dZeroPackedInput(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
+class Conv2dFromInput(torch.autograd.Function):
+    """The default's backward state made from its input, without the forward: the output is a
+    stand-in (one element, expanded to the output's shape), and the backward is torch's own
+    (`aten.convolution_backward`, as autograd's ConvolutionBackward0 calls it): gradients bit
+    for bit the default's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, chunks):
+        ctx.params = (stride, padding, dilation, groups, chunks)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.save_for_backward(x, weight)
+        size = [x.size(0), weight.size(0)]
+        for d in range(2):
+            extent = dilation[d] * (weight.size(2 + d) - 1) + 1
+            size.append((x.size(2 + d) + 2 * padding[d] - extent) // stride[d] + 1)
+        return x.new_zeros(()).expand(size)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.params[4] is not None:  # ("chunked_backward"'s own backward)
+            return _chunked_backward(ctx, g)
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, _chunks = ctx.params
+        mask = [
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
+        ]
+        gx, gw, gb = _conv_backward(g, x, weight, ctx.bias_sizes, stride, padding, dilation, groups, mask)
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _state_from_input(chunks: int | None):
+    """`state_from_inputs` (`Implementation`) of the default (chunks None) or of
+    "chunked_backward": its backward from its input."""
+
+    def make(target, args, kwargs, recompute):
+        if not _from_input_applies(target, args, kwargs):
+            raise RuntimeError(
+                "a conv2d state is made from its input only for a 4-d input and numeric padding"
+            )
+        p = _conv_params(target, args, kwargs)
+        if chunks is not None and p["input"].size(0) < 2:  # (its run is F.conv2d's there)
+            return _apply(Conv2dFromInput, p, None)
+        return _apply(Conv2dFromInput, p, chunks)
+
+    return make
+
+
+def _from_input_applies(target, args: tuple, kwargs: dict) -> bool:
+    if not _chunkable(target):
+        return False
+    p = _conv_params(target, args, kwargs)
+    x = p["input"]
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and not isinstance(p["padding"], str)
+
+
 # ------------------------------------------------------------------ argument normalisation
 
 _F_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -341,6 +401,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
             "default",
             out_of_place_default(op, target).run,
             "torch conv2d; backward keeps the input (and weight)",
+            state_from_inputs=_state_from_input(None) if _chunkable(target) else None,
         )
     ]
     if not _chunkable(target):
@@ -364,6 +425,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
             _make_chunked_backward(_BACKWARD_CHUNKS),
             f"torch conv2d forward; backward in up to {_BACKWARD_CHUNKS} batch chunks (smaller workspace)",
             bitwise=False,  # the weight gradient is a sum over chunks
+            state_from_inputs=_state_from_input(_BACKWARD_CHUNKS),
         )
     )
     # Batch-chunked forward too is offered on CUDA only. On CPU oneDNN picks another forward

@@ -43,6 +43,7 @@ The executor follows `solver.simulate`'s memory model step by step:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import operator
 import os
@@ -392,6 +393,8 @@ class ScheduleExecutor:
                     node, target, impls, False, _node_params(gm, node, target), _reuse_kind(node, target)
                 )
         self._check_schedule()
+        # (node, implementation) -> the implementation whose run makes its state from its inputs
+        self.state_impls: dict[tuple[str, str], Implementation] = {}
         # restores (`monet_opt.restore`): the nodes whose state they read, and their step names
         self.restore_impls = {
             s.impl for st in schedule.stages for s in st.steps if s.op == "compute" and consumer_of(s.impl)
@@ -412,7 +415,7 @@ class ScheduleExecutor:
             freed: set[str] = set()
             for step in reversed(stage.steps):
                 after.append(frozenset(freed))
-                if step.op in ("compute", "backward"):
+                if step.op in ("compute", "make_state", "backward"):
                     freed = set()
                 elif step.op == "free_value":
                     freed.add(step.node)
@@ -573,10 +576,15 @@ class ScheduleExecutor:
                             f"schedule restores {step.node!r} in stage {stage.name!r}: restores run in "
                             "backward stages, without grad"
                         )
-                elif step.op == "compute" and step.impl not in plan.impls:
+                elif step.op in ("compute", "make_state") and step.impl not in plan.impls:
                     raise ScheduleRuntimeError(
                         f"schedule asks node {step.node!r} to run implementation {step.impl!r}, "
                         f"not available here (available: {', '.join(plan.impls)})"
+                    )
+                elif step.op == "make_state" and (si == 0 or plan.impls[step.impl].state_from_inputs is None):
+                    raise ScheduleRuntimeError(
+                        f"schedule makes the state of {step.node!r} ({step.impl!r}) from its inputs in "
+                        f"stage {stage.name!r}: only in a backward stage, with an implementation that can"
                     )
 
     # -- argument resolution -----------------------------------------------------
@@ -668,11 +676,28 @@ class ScheduleExecutor:
     ) -> None:
         """reuse: 'relu' / 'add' to run the default in place on the first input, RELU_INPLACE_GRAD
         the ReLU's 'inplace_grad' (`_reuse_at`)."""
+        self._compute(run, name, impl_name, grad, recompute, reuse)
+
+    def make_state(self, run: _StepRun, name: str, impl_name: str) -> None:
+        """A `make_state` step: the node's backward state made from its held inputs
+        (`Implementation.state_from_inputs`), without its forward; no value handle. (Not
+        `compute`: a `NodeTimer` times recomputations, and this is none.)"""
+        self._compute(run, name, impl_name, True, True, None, state_only=True)
+
+    def _compute(
+        self, run: _StepRun, name: str, impl_name: str, grad, recompute, reuse, state_only=False
+    ) -> None:
+        """`compute`, or with state_only `make_state`."""
         if impl_name in self.restore_impls:
             self._restore(run, name, consumer_of(impl_name))
             return
         plan = self.plans[name]
         impl = plan.impls[impl_name]
+        if state_only:
+            key = (name, impl_name)
+            if key not in self.state_impls:
+                self.state_impls[key] = dataclasses.replace(impl, run=impl.state_from_inputs, replays=False)
+            impl = self.state_impls[key]
         rng_ctx = None
         before = None
         saved: set[int] = set()
@@ -734,6 +759,8 @@ class ScheduleExecutor:
                         flat[positions[0]].grad_fn if name in self.restore_sources else None,
                     ),
                 )
+        if state_only:
+            return  # (the stand-in output is no value: nothing reads it, the schedule frees none)
         run.flat_len[name] = len(flat)
         run.put_detached(name, flat, spec)
 
@@ -1175,6 +1202,8 @@ class ScheduleExecutor:
             if step.op == "compute":
                 reuse = self._reuse_at(run, si, k, step.node, step.impl)
                 self.compute(run, step.node, step.impl, step.grad, recompute, reuse)
+            elif step.op == "make_state":
+                self.make_state(run, step.node, step.impl)
             elif step.op == "backward":
                 self.backward(run, step.node)
             elif step.op == "free_value":

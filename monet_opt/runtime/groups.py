@@ -69,7 +69,7 @@ def find_groups(
     backward_at: dict[str, list[tuple[int, int]]] = {}
     free_state_at: dict[str, list[tuple[int, int]]] = {}
     for si, k, step in steps:
-        if step.op == "compute" and step.grad:
+        if (step.op == "compute" and step.grad) or step.op == "make_state":
             grad_computes[step.node] = grad_computes.get(step.node, 0) + 1
         elif step.op == "backward":
             backward_at.setdefault(step.node, []).append((si, k))
@@ -90,7 +90,7 @@ def find_groups(
         last = max(backward_at[m][0] for m in members)
         inside = set(members)
         for _, _, step in steps[index[first] : index[last] + 1]:
-            if step.op == "compute" or (step.op == "backward" and step.node not in inside):
+            if step.op in ("compute", "make_state") or (step.op == "backward" and step.node not in inside):
                 return False
         for m in members:
             for u in users.get(m, ()):
