@@ -242,3 +242,18 @@ def test_autocast_solves_and_benches_under_it(tmp_path, capsys):
         assert main(["bench", str(path), "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "measured peak is within the budget" in out
+
+
+def test_inspect_names_the_states_made_from_inputs(tmp_path, capsys):
+    from solver import SolverInfo, Stage, Step
+
+    stages = (
+        Stage("forward", (Step("compute", "conv", "default", False),)),
+        Stage("backward:conv", (Step("make_state", "conv", "default"), Step("backward", "conv"))),
+    )
+    path = tmp_path / "s.json"
+    Schedule("x", None, 0, 0.0, SolverInfo("t"), "t", stages).to_json(path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 backward states made from held inputs, without a forward: conv" in out
+    assert "0 nodes recomputed" in out
