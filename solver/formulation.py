@@ -49,7 +49,7 @@ s = 0..T-1 in reverse topological order, stage s runs the backward of t_s):
   minimise                    forward + backward + recompute time of the chosen implementations
                               (R[s,t,m] of an implementation with `bwd_from_inputs`: a make_state
                               step, no forward time, and its step row counts no output or
-                              workspace of t)
+                              workspace of t; R[s,t,m] <= k[t,m]: see `Analysis.makes_state_only`)
 
 Recompute windows: the full grid has O(n^2) columns (ResNet-50 at 224: 80k columns,
 133k rows; HiGHS does not finish even the LP relaxation in 120 s). A window w keeps
@@ -362,6 +362,12 @@ class Formulation:
         for i, cols in self.A[0].items():
             for m, c in enumerate(cols):
                 md.row([c, self.k[i][m]], [1.0, -1.0], -INF, 0.0)
+        # a state made from t's inputs in t's own stage follows t's forward of that implementation
+        md.tag = ("make_state",)
+        for s, t in enumerate(an.bw):
+            for m, c in enumerate(self.R[s].get(t, [])[: nimp[t]]):
+                if an.makes_state_only(t, m):
+                    md.row([c, self.k[t][m]], [1.0, -1.0], -INF, 0.0)
 
         for s, t in enumerate(an.bw):
             Ss, As, Rs = self.S[s], self.A[s], self.R[s]
@@ -907,9 +913,10 @@ class Formulation:
         node's backward reads the state of one computation of it, with that computation's
         implementation: the first (its forward and backward time), or a recomputation (some first
         forward, then the implementation's recompute time, the runtime's overhead per
-        recomputation and its backward; an implementation whose state is made from its inputs,
-        `Impl.bwd_from_inputs`, no recompute time). Nothing recomputed, every node at its fastest
-        implementation, reaches it wherever keeping is the cheaper of the two."""
+        recomputation and its backward; a state made from the inputs, `Impl.bwd_from_inputs`,
+        follows a forward of the same implementation, so costs more than keeping that one's).
+        Nothing recomputed, every node at its fastest implementation, reaches it wherever keeping
+        is the cheaper of the two."""
         overhead = an.problem.recompute_overhead_s
         backward = set(an.bw)
         total = 0.0
@@ -920,15 +927,7 @@ class Formulation:
                 continue
             kept = min(im.fwd_time + im.bwd_time for im in ims)
             again = min(
-                (
-                    0.0
-                    if im.bwd_from_inputs
-                    else im.fwd_time
-                    if im.recompute_time is None
-                    else im.recompute_time
-                )
-                + im.bwd_time
-                for im in ims
+                (im.fwd_time if im.recompute_time is None else im.recompute_time) + im.bwd_time for im in ims
             )
             total += min(kept, first + overhead + again)
         return total

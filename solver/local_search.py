@@ -414,8 +414,11 @@ def polish(
         recomputed = [0.0] * an.n  # recompute time of each node in the plan, over all stages
         work = [0.0] * an.T  # recompute time of each stage
         for s, st in enumerate(plan.stages):
-            for i, m, _g in st.recompute:
-                cost = an.own_stage_time(i, m) if i == an.bw[s] else an.recompute_time(i, m)
+            for i, m, g in st.recompute:
+                if i == an.bw[s] and g:
+                    cost = an.own_stage_time(i, m, plan.impl[i])
+                else:
+                    cost = an.recompute_time(i, m)
                 recomputed[i] += cost
                 work[s] += cost
         hoods: list[tuple[float, str, range, float]] = []

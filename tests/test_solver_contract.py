@@ -26,6 +26,7 @@ from solver import (
 )
 from solver import baselines as B
 from solver.formulation import Formulation
+from solver.plan import emit
 from solver.synthetic import chain, random_dag, resnet
 
 
@@ -718,3 +719,27 @@ def test_the_milp_makes_states_from_inputs_where_that_is_faster():
     sim = simulate(marked, with_)
     assert sim.peak_bytes <= budget and sim.time_s == pytest.approx(with_.predicted_time_s)
     assert with_.predicted_time_s < 0.95 * without.predicted_time_s
+
+
+def test_a_state_made_from_inputs_follows_a_forward_of_its_own_implementation():
+    """Two convolution implementations, one with the faster forward, the other with the faster
+    backward: making the second's state beside the first's forward would price the better of
+    each (measured on ResNet-50: slower, the forwards differ only by how they were timed). The
+    MILP keeps a state instead; a plan that recomputes with another implementation than the
+    forward's gets a compute step, at its forward time, not a make_state."""
+    from solver import Impl
+
+    both = (
+        Impl("d", 5.0, 7.0, keeps_inputs=(0,), bwd_from_inputs=True),
+        Impl("quick", 3.0, 9.0, keeps_inputs=(0,), bwd_from_inputs=True),
+    )
+    problem = _with_node(_conv_chain(True), 1, impls=both)
+    s = solve(problem, no_recompute(problem).predicted_peak_bytes * 4, time_limit=20, verbose=False)
+    assert not [x for st in s.stages for x in st.steps if x.op == "make_state"]
+    assert s.predicted_time_s == pytest.approx(1 + 1 + 12 + 1 + 1)  # a, c kept (either), loss
+    an = B.analysis(problem)
+    plan = B.plan_of_schedule(an, _make_state_schedule("make_state"))  # c's state: "d", forward "d"
+    plan.impl[1] = 1  # forward "quick"
+    stages = emit(an, plan)
+    assert Step("compute", "c", "d", True) in stages[2].steps
+    assert B.plan_time(an, plan) == pytest.approx(1 + 3 + 1 + 1 + (5 + 0.25) + 7 + 1)
