@@ -762,29 +762,29 @@ def _build_problem(
                 shared = _grad_shared_positions(
                     fx_node, target, kwargs, in_place, flat_vals, positions, flat_out
                 )
-            impl_rows.append(
-                Impl(
-                    name=impl.name,
-                    fwd_time=entry["fwd_time"],
-                    recompute_time=entry.get("recompute_time"),
-                    bwd_time=max(0.0, entry["bwd_time"] - backward_call)
-                    if fx_node.name in requires_grad
-                    else 0.0,
-                    fwd_workspace=entry["fwd_workspace"],
-                    bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
-                    keeps_inputs=tuple(kept),
-                    keeps_output=entry["keeps_output"],
-                    state_bytes=entry["state_bytes"],
-                    grad_in_place=in_place,
-                    grad_shared=shared,
-                    fwd_in_place=writes_into,
-                    bwd_from_inputs=fx_node.name in requires_grad
-                    and not entry["keeps_output"]
-                    and not entry["state_bytes"]
-                    and writes_into is None
-                    and _makes_state_from_inputs(impl, target, args, kwargs, flat_out),
-                )
+            row = Impl(
+                name=impl.name,
+                fwd_time=entry["fwd_time"],
+                recompute_time=entry.get("recompute_time"),
+                bwd_time=max(0.0, entry["bwd_time"] - backward_call)
+                if fx_node.name in requires_grad
+                else 0.0,
+                fwd_workspace=entry["fwd_workspace"],
+                bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
+                keeps_inputs=tuple(kept),
+                keeps_output=entry["keeps_output"],
+                state_bytes=entry["state_bytes"],
+                grad_in_place=in_place,
+                grad_shared=shared,
+                fwd_in_place=writes_into,
             )
+            if (
+                fx_node.name in requires_grad
+                and row.keeps_inputs_only
+                and _makes_state_from_inputs(impl, target, args, kwargs, flat_out)
+            ):
+                row = dataclasses.replace(row, bwd_from_inputs=True)
+            impl_rows.append(row)
         if any(i.name == CONSUMER_IMPL for i in impl_rows):
             restore = _restore_from(fx_node, args, op_names, cache, device, repeats)
             if restore is not None:

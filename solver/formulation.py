@@ -331,7 +331,7 @@ class Formulation:
                     continue
                 ims = an.impls[i]
                 Rs[i] = [
-                    md.var(cost=an.own_stage_time(t, m) + ims[m].bwd_time)
+                    md.var(cost=an.entry_time(t, t, m, True) + ims[m].bwd_time)
                     if i == t
                     else md.var(cost=an.recompute_time(i, m))
                     for m in range(nimp[i])

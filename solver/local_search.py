@@ -415,10 +415,7 @@ def polish(
         work = [0.0] * an.T  # recompute time of each stage
         for s, st in enumerate(plan.stages):
             for i, m, g in st.recompute:
-                if i == an.bw[s] and g:
-                    cost = an.own_stage_time(i, m, plan.impl[i])
-                else:
-                    cost = an.recompute_time(i, m)
+                cost = an.entry_time(an.bw[s], i, m, g, plan.impl[i])
                 recomputed[i] += cost
                 work[s] += cost
         hoods: list[tuple[float, str, range, float]] = []

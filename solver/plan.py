@@ -268,13 +268,13 @@ class Analysis:
             and (forward_impl is None or forward_impl == m)
         )
 
-    def own_stage_time(self, t: int, m: int, forward_impl: int | None = None) -> float:
-        """Time of recompute entry (t, m) with grad in t's own backward stage: a make_state
-        step's (`makes_state_only`: the problem's `recompute_overhead_s` alone), else
+    def entry_time(self, t: int, i: int, m: int, grad: bool, forward_impl: int | None = None) -> float:
+        """Time of recompute entry (i, m) in t's backward stage: a make_state step's when it is t's
+        own state made so (`makes_state_only`: the problem's `recompute_overhead_s` alone), else
         `recompute_time`."""
-        if self.makes_state_only(t, m, forward_impl):
+        if i == t and grad and self.makes_state_only(t, m, forward_impl):
             return self.problem.recompute_overhead_s
-        return self.recompute_time(t, m)
+        return self.recompute_time(i, m)
 
     def step_workspace(self, i: int, m: int) -> int:
         """Transient bytes of recompute entry (i, m) beyond its output."""
@@ -720,10 +720,7 @@ def plan_time(an: Analysis, plan: Plan) -> float:
     state = {i: plan.impl[i] for i in plan.F if an.rb[i]}
     for s, t in enumerate(an.bw):
         for i, m, g in plan.stages[s].recompute:
-            if i == t and g:
-                total += an.own_stage_time(i, m, plan.impl[i])
-            else:
-                total += an.recompute_time(i, m)
+            total += an.entry_time(t, i, m, g, plan.impl[i])
             if g and an.rb[i] and not an.is_restore(i, m):
                 state[i] = m
         total += impls[t][state[t]].bwd_time

@@ -79,6 +79,12 @@ class Impl:
     fwd_in_place: int | None = None
     bwd_from_inputs: bool = False
 
+    @property
+    def keeps_inputs_only(self) -> bool:
+        """Its backward state holds inputs and nothing else (not its output, no private bytes) and
+        its forward is not in place: what `bwd_from_inputs` requires."""
+        return not self.keeps_output and not self.state_bytes and self.fwd_in_place is None
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "keeps_inputs", tuple(int(i) for i in self.keeps_inputs))
         object.__setattr__(self, "grad_shared", tuple(int(i) for i in self.grad_shared))
@@ -282,9 +288,7 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                     f"node {node.name!r} impl {impl.name!r}: fwd_in_place {impl.fwd_in_place} "
                     "is not an input position of a node that owns its output"
                 )
-            if impl.bwd_from_inputs and (
-                impl.keeps_output or impl.state_bytes or impl.fwd_in_place is not None
-            ):
+            if impl.bwd_from_inputs and not impl.keeps_inputs_only:
                 raise ProblemError(
                     f"node {node.name!r} impl {impl.name!r}: bwd_from_inputs needs a backward that "
                     "keeps its inputs and nothing else (not its output, no private state bytes) "

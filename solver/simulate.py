@@ -272,9 +272,7 @@ class _Replay:
         impl = next((i for i in node.impls if i.name == impl_name), None)
         if impl is None:
             raise ScheduleInvalid(f"{where}: no implementation {impl_name!r}")
-        for inp in node.inputs:
-            if inp not in self.handle:
-                raise ScheduleInvalid(f"{where}: input {inp!r} is not available (not held)")
+        self._require_inputs(node, where)
         if node.alias_of is not None:
             key = self.handle[node.inputs[node.alias_of]]
         elif self._writes_in_place(node, impl, freed_next):
@@ -285,15 +283,7 @@ class _Replay:
         self._bump(state_bytes + impl.fwd_workspace)
         self._take_handle(node.name, key)
         if grad:
-            if node.name in self.states:
-                self._drop_state(node.name)
-            held = [self.handle[node.inputs[p]] for p in impl.keeps_inputs]
-            if impl.keeps_output:
-                held.append(key)
-            for h in held:
-                self._hold(h, ("s", node.name))
-            self.states[node.name] = (impl, state_bytes, held)
-            self.live += state_bytes
+            self._set_state(node, impl, state_bytes, [key] if impl.keeps_output else [])
         if again and impl.recompute_time is not None:
             return impl.recompute_time
         return impl.fwd_time
@@ -305,15 +295,24 @@ class _Replay:
                 f"{where}: implementation {impl_name!r} cannot make its state from its inputs "
                 "(no such implementation, or its bwd_from_inputs is False)"
             )
+        self._require_inputs(node, where)
+        self._set_state(node, impl, 0, [])
+
+    def _require_inputs(self, node: Node, where: str) -> None:
         for inp in node.inputs:
             if inp not in self.handle:
                 raise ScheduleInvalid(f"{where}: input {inp!r} is not available (not held)")
+
+    def _set_state(self, node: Node, impl: Impl, state_bytes: int, own: list[tuple[str, int]]) -> None:
+        """node's backward state, made with impl (replacing one it had): it holds the storages of
+        the inputs impl keeps, `own` (its output's copy, if kept) and `state_bytes` private bytes."""
         if node.name in self.states:
             self._drop_state(node.name)
-        held = [self.handle[node.inputs[p]] for p in impl.keeps_inputs]
+        held = [self.handle[node.inputs[p]] for p in impl.keeps_inputs] + own
         for h in held:
             self._hold(h, ("s", node.name))
-        self.states[node.name] = (impl, 0, held)
+        self.states[node.name] = (impl, state_bytes, held)
+        self.live += state_bytes
 
     def _restore(self, node: Node, restore: Restore, grad: bool, where: str) -> float:
         if grad or not self.backward_started:

@@ -531,9 +531,7 @@ def with_state_from_inputs(problem: Problem, op: str = "conv2d") -> Problem:
     for n in problem.nodes:
         if n.op == op:
             impls = tuple(
-                dataclasses.replace(im, bwd_from_inputs=True)
-                if not im.keeps_output and not im.state_bytes and im.fwd_in_place is None
-                else im
+                dataclasses.replace(im, bwd_from_inputs=True) if im.keeps_inputs_only else im
                 for im in n.impls
             )
             n = dataclasses.replace(n, impls=impls)

@@ -98,19 +98,27 @@ class Conv2dChunkedBackward(torch.autograd.Function):
         return _chunked_backward(ctx, g)
 
 
+def _grad_mask(ctx) -> list[bool]:
+    """aten.convolution_backward's output mask: (input, weight, bias) as the Function's needs say."""
+    return [
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
+    ]
+
+
 def _chunked_backward(ctx, g):
     """Conv2d backward one batch chunk at a time (ctx.params, ctx.bias_sizes, saved x and weight)."""
     x, weight = ctx.saved_tensors
     stride, padding, dilation, groups, chunks = ctx.params
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    mask = [need_x, need_w, need_b and ctx.bias_sizes is not None]
-    gx = torch.empty_like(x) if need_x else None
+    mask = _grad_mask(ctx)
+    gx = torch.empty_like(x) if mask[0] else None
     gw = gb = None
     for a, b in _chunk_bounds(x.size(0), chunks):
         cgx, cgw, cgb = _conv_backward(
             g[a:b], x[a:b], weight, ctx.bias_sizes, stride, padding, dilation, groups, mask
         )
-        if need_x:
+        if mask[0]:
             gx[a:b].copy_(cgx)
         # (summed in float32 at least, rounded once: bfloat16 partial sums under autocast drifted
         # 0.9 % of the largest gradient from the default's)
@@ -161,11 +169,7 @@ class _CudnnFlags(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups, benchmark, deterministic = ctx.params
-        mask = [
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
-        ]
+        mask = _grad_mask(ctx)
         with torch.backends.cudnn.flags(
             enabled=True,
             benchmark=benchmark,
@@ -194,11 +198,7 @@ class Conv2dZeroPackedInput(torch.autograd.Function):
         shape, dtype, offsets = ctx.packed
         x = zero_pack.unpack(zero_pack.Packed(bits, values, shape, dtype, offsets))
         stride, padding, dilation, groups = ctx.params
-        mask = [
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
-        ]
+        mask = _grad_mask(ctx)
         gx, gw, gb = _conv_backward(g, x, weight, ctx.bias_sizes, stride, padding, dilation, groups, mask)
         return gx, gw, gb, None, None, None, None
 
@@ -226,11 +226,7 @@ class Conv2dFromInput(torch.autograd.Function):
             return _chunked_backward(ctx, g)
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups, _chunks = ctx.params
-        mask = [
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
-        ]
+        mask = _grad_mask(ctx)
         gx, gw, gb = _conv_backward(g, x, weight, ctx.bias_sizes, stride, padding, dilation, groups, mask)
         return gx, gw, gb, None, None, None, None, None
 
