@@ -9,6 +9,7 @@ print(solver.simulate(problem, schedule).peak_bytes)
 from solver import baselines  # noqa: E402  (after the contract types it uses)
 from solver.baselines import best_baseline, checkpoint_all, chen_sqrt, greedy, no_recompute
 from solver.bounds import min_feasible_lower_bound
+from solver.gather import gather_backwards
 from solver.gurobi_milp import GurobiUnavailable
 from solver.milp import InfeasibleBudget, NoScheduleFound, minimum_peak, resolve_budget, solve, sweep
 from solver.problem import Impl, Node, Problem, ProblemError, Restore
@@ -23,6 +24,7 @@ __all__ = [
     "best_baseline",
     "checkpoint_all",
     "chen_sqrt",
+    "gather_backwards",
     "greedy",
     "min_feasible_lower_bound",
     "minimum_peak",

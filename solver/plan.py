@@ -561,9 +561,9 @@ def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
     states: dict[int, int] = {}
 
     stages: list[StagePlan] = []
-    for si, stage in enumerate(schedule.stages):
+    for si, steps in enumerate(_ungathered(an, schedule)):
         rec: list[tuple[int, int, bool]] = []
-        for step in stage.steps:
+        for step in steps:
             i = idx[step.node]
             if step.op == "make_state":
                 m = an.step_index(i, step.impl)
@@ -591,6 +591,19 @@ def plan_of_schedule(an: Analysis, schedule: Schedule) -> Plan:
             carried = {i: m for i, m in states.items() if i <= upto}
             stages.append(StagePlan(rec, _handed_on(an, held, states, upto), carried))
     return Plan(impl, F, S0, stages)
+
+
+def _ungathered(an: Analysis, schedule: Schedule) -> list[list[Step]]:
+    """Each stage's steps with every backward step back at the end of its node's own stage
+    (`solver.gather` moves some earlier; nothing else)."""
+    own = {an.names[t]: s + 1 for s, t in enumerate(an.bw)}
+    stages: list[list[Step]] = [[] for _ in schedule.stages]
+    late: list[list[Step]] = [[] for _ in schedule.stages]
+    for si, stage in enumerate(schedule.stages):
+        for step in stage.steps:
+            target = own.get(step.node, si) if step.op == "backward" else si
+            (late[target] if si < target < len(stages) else stages[si]).append(step)
+    return [steps + moved for steps, moved in zip(stages, late)]
 
 
 def with_restores(an: Analysis, plan: Plan) -> Plan:

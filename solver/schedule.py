@@ -1,8 +1,10 @@
 """The schedule: an explicit program of compute / backward / free steps. Versioned JSON.
 
 A schedule is a list of stages. The first is "forward"; each following stage is
-"backward:<node>", one per node with a backward, in reverse topological order.
-A stage is a list of steps, executed in order:
+"backward:<node>", one per node with a backward, in reverse topological order. A node's
+backward step is normally its own stage's last step; `solver.gather` may move it earlier, next
+to other backward steps (so the runtime runs them in one autograd call), leaving its stage
+without one. A stage is a list of steps, executed in order:
 
   compute      node, impl, grad  run the node with that implementation; with grad=True
                                  it also creates the node's backward state

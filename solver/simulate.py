@@ -84,7 +84,8 @@ the runtime's own cost of running a node outside the forward (its dispatch, and 
 autograd graph a recomputation with grad gets).
 
 A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
-value whose handle is not held, backs a node without its state or gradient,
+value whose handle is not held, backs a node without its state or gradient, or before a
+consumer's backward has added to that gradient,
 frees what is not held, leaves a node that needs a backward without one, or
 does not compute every output in the forward stage.
 """
@@ -396,6 +397,11 @@ class _Replay:
         for pos, name in enumerate(node.inputs):
             inp = self.by_name[name]
             if inp.requires_backward:
+                if name in self.backed:
+                    raise ScheduleInvalid(
+                        f"{where}: makes a gradient for {name!r}, whose backward already ran "
+                        "(a node's backward must come after every consumer's)"
+                    )
                 takes_fed = pos in receive and inp.grad_bytes == node.grad_bytes
                 made.append((name, fed if takes_fed else self._new_grad(inp.grad_bytes)))
         self._bump(impl.bwd_workspace + node.param_grad_bytes)
