@@ -14,7 +14,7 @@ steps, where that changes nothing the schedule computes and does not raise its p
 * a *run* is a stretch of compute steps of one stage whose nodes each have one backward step,
   after this compute, and no `free_state`; a node with a backward state (`keeps_inputs`,
   `keeps_output`, private bytes, or one made from inputs) joins only with its one compute with
-  grad; a stateless node (an addition, a flatten: its backward needs nothing) joins with its
+  grad, or its one `make_state` step; a stateless node (an addition, a flatten: its backward needs nothing) joins with its
   last compute before its backward, which then gets grad=True (and its other computes
   grad=False: the same memory and time, its backward reads no state either way). A compute
   with grad of any other node ends the run;
@@ -84,6 +84,12 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
                 if joins:
                     run.append((step.node, p))
                 elif step.grad:
+                    runs.append(run)
+                    run = []
+            elif step.op == "make_state":  # (a state made from inputs joins as a compute with grad)
+                if step.node in back and back[step.node] > p and state_steps.get(step.node) == 1:
+                    run.append((step.node, p))
+                else:
                     runs.append(run)
                     run = []
             p += 1

@@ -10,7 +10,9 @@ share one graph instead: a *group* is a run of consecutive computes with autogra
 stage (computes without autograd, such as shape arithmetic or a recompute of a value
 whose state is not needed, do not interrupt it), whose nodes each
 
-* are computed with autograd once (here), and have one backward step, after it, and no
+* are computed with autograd once (here), or have their state made from their inputs here (a
+  `make_state` step: its input from a member is the member's real output, so the convolution's
+  backward feeds the member's directly), and have one backward step, after it, and no
   `free_state` before that backward step;
 * have no implementation that writes into the gradient it is fed (in a shared graph the
   engine may hand that buffer to another branch too; add's pass-through is fine), unless
@@ -107,7 +109,7 @@ def find_groups(
             groups.append(_group(steps, index, run, users, backward_at))
 
     for si, k, step in steps:
-        if step.op != "compute" or not step.grad:
+        if not ((step.op == "compute" and step.grad) or step.op == "make_state"):
             continue  # (a compute without autograd does not touch the graph)
         ok = candidate(si, k, step)
         if ok and run and si == run_stage and valid([*run, step.node]):

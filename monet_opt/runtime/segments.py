@@ -200,6 +200,7 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
         computed.add(step.node)
     graph.call_function(_clear, (vals,))
     freed_in_span = {steps[k].node for k in range(start, end) if steps[k].op == "free_value"}
+    with_grad = {steps[k].node for k in range(start, end) if steps[k].op == "compute" and steps[k].grad}
     decisions = run.reuse
     for k in range(start, end):
         step = steps[k]
@@ -212,6 +213,11 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
 
         def load(arg: fx.Node, grad=grad, slicing=slicing) -> Any:
             if arg.name in local:
+                if grad and arg.name not in with_grad and arg.name in executor.has_backward:
+                    # computed here without autograd (its state made from inputs later, or
+                    # recomputed later), read by a member: the interpreter's `_args` gives the
+                    # reader a leaf whose gradient reaches it; left to the interpreter
+                    raise _NotPlain
                 value = local[arg.name]
                 if grad and slicing:
                     return graph.call_function(dense, (value,))
@@ -267,7 +273,8 @@ def _needs_leaf(executor, run, arg: fx.Node) -> bool:
 
 
 class _NotPlain(Exception):
-    """A container value read by a member from outside: left to the interpreter."""
+    """A container value read by a member from outside, or a value computed in the span without
+    autograd that a member takes a gradient to: left to the interpreter."""
 
 
 def _leaf_maker(source: str, box_type, leaf, anchor):
