@@ -372,6 +372,12 @@ def cmd_inspect(args) -> int:
             f"  {len(made)} backward states made from held inputs, without a forward: "
             f"{', '.join(made[:6])}{' ...' if len(made) > 6 else ''}"
         )
+    gathered = s.meta.get("gathered_backwards")
+    if gathered:
+        print(
+            f"  backward steps gathered into {gathered['blocks']} blocks ({gathered['moved_steps']} moved "
+            "earlier, next to their block's first), each run in one autograd call"
+        )
     return 0
 
 

@@ -257,3 +257,19 @@ def test_inspect_names_the_states_made_from_inputs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1 backward states made from held inputs, without a forward: conv" in out
     assert "0 nodes recomputed" in out
+    assert "gathered" not in out
+
+
+def test_inspect_says_how_many_backward_steps_were_gathered(tmp_path, capsys):
+    from solver import gather_backwards
+    from solver.synthetic import resnet
+    from tests.test_gather import recomputing_convolution_inputs
+
+    problem = resnet(50, seed=3)
+    schedule = gather_backwards(problem, recomputing_convolution_inputs(problem))
+    info = schedule.meta["gathered_backwards"]
+    path = tmp_path / "s.json"
+    schedule.to_json(path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"backward steps gathered into {info['blocks']} blocks ({info['moved_steps']} moved earlier" in out

@@ -78,6 +78,13 @@ def find_groups(
         elif step.op == "free_state":
             free_state_at.setdefault(step.node, []).append((si, k))
     index = {(si, k): n for n, (si, k, _) in enumerate(steps)}
+    computed_at: dict[str, int] = {}  # a candidate's one compute with autograd (or make_state)
+    freed_at: dict[str, list[int]] = {}
+    for n, (_, _, step) in enumerate(steps):
+        if (step.op == "compute" and step.grad) or step.op == "make_state":
+            computed_at[step.node] = n
+        elif step.op == "free_value":
+            freed_at.setdefault(step.node, []).append(n)
 
     def candidate(si: int, k: int, step) -> bool:
         if grad_computes.get(step.node) != 1 or (step.node, step.impl) in grad_writers:
@@ -94,10 +101,17 @@ def find_groups(
         for _, _, step in steps[index[first] : index[last] + 1]:
             if step.op in ("compute", "make_state") or (step.op == "backward" and step.node not in inside):
                 return False
+        closed = computed_at[members[-1]]
         for m in members:
             for u in users.get(m, ()):
                 if u not in inside and any(pos > first for pos in backward_at.get(u, [])):
                     return False  # its gradient would reach m after the group's backward
+            if _external(m, inside, users, backward_at) and any(
+                computed_at[m] < pos < closed for pos in freed_at.get(m, ())
+            ):
+                # the group holds an output that takes a gradient from outside until its graph
+                # closes (the root is made then): freed before, it would outlive its handle
+                return False
         return True
 
     groups: list[Group] = []
@@ -130,11 +144,12 @@ def _group(steps, index, members: list[str], users, backward_at) -> Group:
         for _, _, step in steps[index[first] + 1 : index[last] + 1]
         if step.op in ("free_value", "free_state")
     )
-    # users outside that send a gradient back: a model output, or a node with a backward step
-    # (not, say, a shape query: holding a member's output for it would hold its storage)
-    external = frozenset(
-        m
-        for m in members
-        if any(u not in inside and (u == "output" or u in backward_at) for u in users.get(m, ()))
-    )
+    external = frozenset(m for m in members if _external(m, inside, users, backward_at))
     return Group(tuple(members), external, first, frees, last)
+
+
+def _external(m: str, inside: set[str], users, backward_at) -> bool:
+    """m's output takes a gradient from outside the group: a model output, or read by a node
+    outside with a backward step (not, say, a shape query: holding a member's output for it
+    would hold its storage)."""
+    return any(u not in inside and (u == "output" or u in backward_at) for u in users.get(m, ()))
