@@ -91,8 +91,8 @@ def test_gathering_moves_backward_steps_of_a_recomputing_schedule_together():
     assert len(moved_out) == info["moved_steps"]
     plain = no_recompute(problem)
     assert gather_backwards(problem, plain) is plain
-    solved = solve(problem, 0.6, time_limit=10, verbose=False)
-    assert simulate(problem, solved).peak_bytes == solved.predicted_peak_bytes  # (gathered or not)
+    solved = solve(problem, 0.6, time_limit=10, verbose=False, gather=True)
+    assert simulate(problem, solved).peak_bytes == solved.predicted_peak_bytes
 
 
 def test_simulator_refuses_a_backward_before_a_consumers_backward():
