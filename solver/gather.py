@@ -14,10 +14,10 @@ steps, where that changes nothing the schedule computes and does not raise its p
 * a *run* is a stretch of compute steps of one stage whose nodes each have one backward step,
   after this compute, and no `free_state`; a node with a backward state (`keeps_inputs`,
   `keeps_output`, private bytes, or one made from inputs) joins only with its one compute with
-  grad, or its one `make_state` step; a stateless node (an addition, a flatten: its backward needs nothing) joins with its
-  last compute before its backward, which then gets grad=True (and its other computes
-  grad=False: the same memory and time, its backward reads no state either way). A compute
-  with grad of any other node ends the run;
+  grad, or its one `make_state` step; a stateless node (an addition, a flatten: its backward
+  needs nothing) joins with its last compute before its backward, which then gets grad=True
+  (and its other computes grad=False: the same memory and time, its backward reads no state
+  either way). A compute with grad (or a make_state) of any other node ends the run;
 * a *block* is a part of a run, in backward order, whose members' outside consumers all have
   their backward before the block's first backward step (each member's gradient is complete
   there); its members' backward steps move to just after the first one, in their order;
@@ -118,7 +118,8 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
                     else:
                         hi = mid - 1
                 block = block[:lo]
-            if len(block) >= 2 and not (_adjacent(flat, block, back) and not _flips(flat, block)):
+            # (a block already adjacent that changes no grad flag would change nothing)
+            if len(block) >= 2 and (_flips(flat, block) or not _adjacent(flat, block, back)):
                 blocks.append(block)
             members = members[len(block) :]
     if not blocks:

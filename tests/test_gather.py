@@ -20,9 +20,11 @@ ZOO = problem_zoo()
 
 def recomputing_convolution_inputs(problem):
     """A deterministic recomputing schedule: every state and value kept but each convolution's
-    (made in its own stage) and its input's (recomputed with grad there)."""
+    (its state made from its input in its own stage) and that input's (recomputed with grad
+    there): each such stage computes the input, makes the convolution's state and runs its
+    backward, the input's backward comes a stage later, and other backward steps run between."""
     an = B.analysis(problem)
-    convs = {i for i, nd in enumerate(problem.nodes) if "conv" in nd.name}
+    convs = {i for i, nd in enumerate(problem.nodes) if nd.op == "conv2d"}
     inputs = {an.idx[problem.nodes[i].inputs[0]] for i in convs if problem.nodes[i].inputs} - convs
     F = {i for i in range(an.n) if an.rb[i]} - convs - inputs
     return B.policy_schedule(problem, F=F, K=set(range(an.n)) - inputs)

@@ -23,6 +23,7 @@ from monet_opt.runtime.segments import RELU_INPLACE_GRAD
 from solver import baselines
 from solver.schedule import FingerprintMismatch, ScheduleError
 from tests import models
+from tests.test_gather import recomputing_convolution_inputs
 
 # (factory, kwargs): small inputs; the solver time limit is short in tests
 MODELS = {
@@ -490,18 +491,6 @@ def _backward_calls(wrapped, x, monkeypatch) -> int:
     return len(calls)
 
 
-def _recomputing_convolution_inputs(problem):
-    """Keep every state and value except each convolution's (its state is made from its input in
-    its own stage) and the ReLU output it reads (recomputed with grad there): each such stage
-    computes the ReLU, makes the convolution's state and runs its backward, the ReLU's backward
-    comes a stage later, and other backward steps run between them and their block's."""
-    an = baselines.analysis(problem)
-    convs = {i for i, nd in enumerate(problem.nodes) if nd.op == "conv2d"}
-    relus = {an.idx[problem.nodes[i].inputs[0]] for i in convs if problem.nodes[i].inputs} - convs
-    F = {i for i in range(an.n) if an.rb[i]} - convs - relus
-    return baselines.policy_schedule(problem, F=F, K=set(range(an.n)) - relus)
-
-
 @pytest.mark.parametrize("name", ["resnet18", "googlenet"])
 def test_gathered_backward_steps_run_in_fewer_calls_with_equal_gradients(name, monkeypatch):
     """A recomputing schedule with its backward steps gathered (solver.gather_backwards): the
@@ -514,7 +503,7 @@ def test_gathered_backward_steps_run_in_fewer_calls_with_equal_gradients(name, m
 
     monkeypatch.setattr(executor, "_GROUPS", True)
     model, x, problem = setup(name)
-    schedule = _recomputing_convolution_inputs(problem)
+    schedule = recomputing_convolution_inputs(problem)
     gathered = solver.gather_backwards(problem, schedule)
     assert gathered.meta.get("gathered_backwards"), f"{name}: nothing gathered"
     assert solver.simulate(problem, gathered).peak_bytes <= solver.simulate(problem, schedule).peak_bytes

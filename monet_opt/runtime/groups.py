@@ -68,23 +68,21 @@ def find_groups(
     """
     steps = [(si, k, step) for si, stage in enumerate(schedule.stages) for k, step in enumerate(stage.steps)]
     grad_computes: dict[str, int] = {}
+    computed_at: dict[str, int] = {}  # (index in steps) a candidate's one compute with autograd
     backward_at: dict[str, list[tuple[int, int]]] = {}
     free_state_at: dict[str, list[tuple[int, int]]] = {}
-    for si, k, step in steps:
+    freed_at: dict[str, list[int]] = {}  # (indices in steps) free_value steps
+    for n, (si, k, step) in enumerate(steps):
         if (step.op == "compute" and step.grad) or step.op == "make_state":
             grad_computes[step.node] = grad_computes.get(step.node, 0) + 1
+            computed_at[step.node] = n
         elif step.op == "backward":
             backward_at.setdefault(step.node, []).append((si, k))
         elif step.op == "free_state":
             free_state_at.setdefault(step.node, []).append((si, k))
-    index = {(si, k): n for n, (si, k, _) in enumerate(steps)}
-    computed_at: dict[str, int] = {}  # a candidate's one compute with autograd (or make_state)
-    freed_at: dict[str, list[int]] = {}
-    for n, (_, _, step) in enumerate(steps):
-        if (step.op == "compute" and step.grad) or step.op == "make_state":
-            computed_at[step.node] = n
         elif step.op == "free_value":
             freed_at.setdefault(step.node, []).append(n)
+    index = {(si, k): n for n, (si, k, _) in enumerate(steps)}
 
     def candidate(si: int, k: int, step) -> bool:
         if grad_computes.get(step.node) != 1 or (step.node, step.impl) in grad_writers:

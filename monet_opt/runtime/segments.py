@@ -200,7 +200,6 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
         computed.add(step.node)
     graph.call_function(_clear, (vals,))
     freed_in_span = {steps[k].node for k in range(start, end) if steps[k].op == "free_value"}
-    with_grad = {steps[k].node for k in range(start, end) if steps[k].op == "compute" and steps[k].grad}
     decisions = run.reuse
     for k in range(start, end):
         step = steps[k]
@@ -213,10 +212,10 @@ def build_segment(executor, run, si: int, start: int, group, attached: bool = Fa
 
         def load(arg: fx.Node, grad=grad, slicing=slicing) -> Any:
             if arg.name in local:
-                if grad and arg.name not in with_grad and arg.name in executor.has_backward:
-                    # computed here without autograd (its state made from inputs later, or
-                    # recomputed later), read by a member: the interpreter's `_args` gives the
-                    # reader a leaf whose gradient reaches it; left to the interpreter
+                if grad and arg.name not in members and arg.name in executor.has_backward:
+                    # computed here without autograd (a span's non-members are: checked above; its
+                    # state made from inputs later, or recomputed later), read by a member: the
+                    # interpreter's `_args` gives the reader a leaf whose gradient reaches it
                     raise _NotPlain
                 value = local[arg.name]
                 if grad and slicing:
