@@ -20,7 +20,11 @@ steps, where that changes nothing the schedule computes and does not raise its p
   either way). A compute with grad (or a make_state) of any other node ends the run;
 * a *block* is a part of a run, in backward order, whose members' outside consumers all have
   their backward before the block's first backward step (each member's gradient is complete
-  there); its members' backward steps move to just after the first one, in their order;
+  there), and whose members' backward steps pass no backward step of another node that reads
+  one of their inputs (that gradient's parts would be added in another order: plain PyTorch's
+  sum, bit for bit, is the runtime's only if its parts come in the same order; in bf16 the
+  rounding differed visibly, on GPT-2's GELU input); its members' backward steps move to just
+  after the first one, in their order;
 * each block is accepted only if the whole schedule, replayed by `solver.simulate`, stays valid
   with a peak no higher than before (moving a backward earlier drops its state earlier but makes
   its input gradients earlier); a block that does not is cut to its longest prefix that does.
@@ -62,6 +66,8 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
             freed.add(step.node)
     back = {n: ps[0] for n, ps in backs.items() if len(ps) == 1 and n not in freed}
     last_back = {n: ps[-1] for n, ps in backs.items()}  # (any node's, for the consumers' check)
+    back_order = sorted((p, n) for n, ps in backs.items() for p in ps)
+    inputs = {nd.name: set(nd.inputs) for nd in problem.nodes}
     last_compute: dict[str, int] = {}
     for p, step in enumerate(flat):
         if step.op == "compute" and step.node in back and p < back[step.node]:
@@ -108,7 +114,7 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
     for run in runs:
         members = sorted(run, key=lambda m: back[m[0]])
         while len(members) >= 2:
-            block = _dependent_prefix(members, back, last_back, users)
+            block = _dependent_prefix(members, back, last_back, users, back_order, inputs)
             if len(block) >= 2 and not fits([*blocks, block]):
                 lo, hi = 1, len(block) - 1  # the longest prefix that fits (lo fits: one member moves nothing)
                 while lo < hi:
@@ -160,9 +166,13 @@ def _dependent_prefix(
     back: dict[str, int],
     last_back: dict[str, int],
     users: dict[str, set[str]],
+    back_order: list[tuple[int, str]],
+    inputs: dict[str, set[str]],
 ) -> list[tuple[str, int]]:
     """The longest prefix (backward order) whose members' consumers outside it either have no
-    backward step or have it before the prefix's first backward step (at least one member)."""
+    backward step or have it before the prefix's first backward step, and whose members'
+    backward steps, moved up to the first, pass no other node's backward step that makes a
+    gradient for one of their inputs too (at least one member)."""
     first = back[members[0][0]]
     block = [members[0]]
     for m in members[1:]:
@@ -170,7 +180,8 @@ def _dependent_prefix(
         outside_after = any(
             u not in inside and last_back.get(u, -1) > first for x in inside for u in users.get(x, ())
         )
-        if outside_after:
+        passed = (n for p, n in back_order if first < p < back[m[0]] and n not in inside)
+        if outside_after or any(inputs[n] & inputs[m[0]] for n in passed):
             break
         block.append(m)
     return block

@@ -47,12 +47,26 @@ def _blocks_adjacent(schedule) -> bool:
     return True
 
 
+def _gradient_orders(problem, schedule) -> dict[str, list[str]]:
+    """Per value, its consumers' backward steps in the order they run: the order its gradient's
+    parts are added in (plain PyTorch's sum, bit for bit, only in the same order)."""
+    reads = {nd.name: set(nd.inputs) for nd in problem.nodes}
+    orders: dict[str, list[str]] = {}
+    for stage in schedule.stages:
+        for s in stage.steps:
+            if s.op == "backward":
+                for x in reads[s.node]:
+                    orders.setdefault(x, []).append(s.node)
+    return orders
+
+
 @pytest.mark.parametrize("frac", [0.4, 0.6])
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_gathering_keeps_the_steps_time_and_peak(name, frac):
     """On every zoo problem, the solve's schedule and the sqrt(n) baseline's, gathered: valid in the
     simulator, the same steps (only stateless nodes' grad flags may change), the same time, a peak
-    no higher, moved steps right after another backward; plan_of_schedule gives the same plan."""
+    no higher, moved steps right after another backward, every gradient's parts added in the same
+    order; plan_of_schedule gives the same plan."""
     problem = ZOO[name]
     an = B.analysis(problem)
     budget = int(frac * no_recompute(problem).predicted_peak_bytes)
@@ -69,6 +83,7 @@ def test_gathering_keeps_the_steps_time_and_peak(name, frac):
         assert gathered.predicted_peak_bytes == after.peak_bytes
         assert _steps_without_grad_flags(gathered) == _steps_without_grad_flags(schedule)
         assert _blocks_adjacent(gathered)
+        assert _gradient_orders(problem, gathered) == _gradient_orders(problem, schedule)
         plan = to_schedule(an, plan_of_schedule(an, gathered), "x", SolverInfo(name="x"))
         again = simulate(problem, plan)
         assert again.time_s == pytest.approx(before.time_s, rel=1e-9)
@@ -85,6 +100,7 @@ def test_gathering_moves_backward_steps_of_a_recomputing_schedule_together():
     info = gathered.meta["gathered_backwards"]
     assert info["blocks"] >= 1 and info["moved_steps"] >= info["blocks"]
     assert simulate(problem, gathered).peak_bytes <= simulate(problem, schedule).peak_bytes
+    assert _gradient_orders(problem, gathered) == _gradient_orders(problem, schedule)
 
     def backs(stage):
         return {s.node for s in stage.steps if s.op == "backward"}
