@@ -65,9 +65,7 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
         elif step.op == "free_state":
             freed.add(step.node)
     back = {n: ps[0] for n, ps in backs.items() if len(ps) == 1 and n not in freed}
-    last_back = {n: ps[-1] for n, ps in backs.items()}  # (any node's, for the consumers' check)
-    back_order = sorted((p, n) for n, ps in backs.items() for p in ps)
-    inputs = {nd.name: set(nd.inputs) for nd in problem.nodes}
+    inputs = {nd.name: nd.inputs for nd in problem.nodes}
     last_compute: dict[str, int] = {}
     for p, step in enumerate(flat):
         if step.op == "compute" and step.node in back and p < back[step.node]:
@@ -114,7 +112,7 @@ def gather_backwards(problem: Problem, schedule: Schedule) -> Schedule:
     for run in runs:
         members = sorted(run, key=lambda m: back[m[0]])
         while len(members) >= 2:
-            block = _dependent_prefix(members, back, last_back, users, back_order, inputs)
+            block = _dependent_prefix(members, back, backs, users, inputs)
             if len(block) >= 2 and not fits([*blocks, block]):
                 lo, hi = 1, len(block) - 1  # the longest prefix that fits (lo fits: one member moves nothing)
                 while lo < hi:
@@ -164,10 +162,9 @@ def _flips(flat, block: list[tuple[str, int]]) -> bool:
 def _dependent_prefix(
     members: list[tuple[str, int]],
     back: dict[str, int],
-    last_back: dict[str, int],
+    backs: dict[str, list[int]],
     users: dict[str, set[str]],
-    back_order: list[tuple[int, str]],
-    inputs: dict[str, set[str]],
+    inputs: dict[str, tuple[str, ...]],
 ) -> list[tuple[str, int]]:
     """The longest prefix (backward order) whose members' consumers outside it either have no
     backward step or have it before the prefix's first backward step, and whose members'
@@ -178,10 +175,11 @@ def _dependent_prefix(
     for m in members[1:]:
         inside = {x for x, _ in block} | {m[0]}
         outside_after = any(
-            u not in inside and last_back.get(u, -1) > first for x in inside for u in users.get(x, ())
+            u not in inside and backs.get(u, [-1])[-1] > first for x in inside for u in users.get(x, ())
         )
-        passed = (n for p, n in back_order if first < p < back[m[0]] and n not in inside)
-        if outside_after or any(inputs[n] & inputs[m[0]] for n in passed):
+        co_readers = {u for x in inputs[m[0]] for u in users[x]} - inside
+        passes = any(first < p < back[m[0]] for u in co_readers for p in backs.get(u, ()))
+        if outside_after or passes:
             break
         block.append(m)
     return block

@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 
 import solver
-from monet_opt.bench import measure_step
+from monet_opt.bench import loss_of, measure_step
 from monet_opt.graph import TraceError, trace
 from monet_opt.models import TokenLogits, TokenLoss
 from monet_opt.pipeline import solve_model
@@ -239,8 +239,6 @@ def test_bf16_autocast_with_attention_dropout_gives_plain_gradients():
 
 def _bf16_gradients(model: nn.Module, schedule: solver.Schedule, x: torch.Tensor) -> tuple[dict, dict]:
     """The parameter gradients of one step under bf16 autocast, wrapped by `schedule`, and plain."""
-    from monet_opt.bench import loss_of
-
     wrapped = MonetWrapper(model, schedule, input_shape=tuple(x.shape))
     plain = copy.deepcopy(model)
     grads = []
