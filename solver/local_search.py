@@ -192,8 +192,9 @@ def rins(
         agree = integer[np.abs(lp.x[integer] - x[integer]) < 1e-6]
         fixed = {int(c): float(round(x[c])) for c in agree}
         share = 1.0 if first and rnd == 0 else RINS_LATER_SHARE
+        left = deadline - time.perf_counter()  # (at the call: fixing the columns took a few ms)
         res = form.solve_milp(
-            min(share * remaining, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+            min(share * left, RINS_SUB_LIMIT_S), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
         )
         if res.plan is None or res.objective is None or res.objective >= current - 1e-9:
             break
