@@ -37,7 +37,7 @@ from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
 from monet_opt.malloc import keep_freed_memory
 from monet_opt.models import TokenLogits
 from monet_opt.pipeline import refine_schedule, sweep_model
-from monet_opt.profile import build_problem
+from monet_opt.profile import build_problem, cpu_model
 from monet_opt.runtime import MonetWrapper
 from monet_opt.step_in_backward import OPTIMIZERS, fuse_into_backward, optimizer_factory
 from monet_opt.zoo import ModelSpec
@@ -660,7 +660,8 @@ def main(argv=None) -> int:
         "command": "python benchmarks/frontier.py "
         + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "threads": torch.get_num_threads(),
-        "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
+        # (the host's model: ResNet-50's plain step took 1.6x longer on session 58's VM host)
+        "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU ({cpu_model()})",
         "load_start": load,
         "kept_freed_memory": kept,
     }

@@ -39,6 +39,7 @@ import torch
 
 from monet_opt.bench import bench_model, measure_parts, predicted_parts, spec_of
 from monet_opt.malloc import keep_freed_memory
+from monet_opt.profile import cpu_model
 from monet_opt.runtime import MonetWrapper
 from solver import Problem, Schedule, baselines
 
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
         f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()}-core "
-        f"{platform.machine()}; freed memory kept in the process: {'yes' if kept else 'no'}; "
+        f"{platform.machine()} ({cpu_model()}); freed memory kept in the process: {'yes' if kept else 'no'}; "
         f"optimizer step in the backward: {optimizer or 'no'}.",
         "",
         "| | plain PyTorch" + (f" + {optimizer} step in backward" if optimizer else "") + " | monet-opt |",

@@ -82,19 +82,23 @@ CACHE_VERSION = 19  # 2: backward workspace net of memory the backward releases;
 
 
 # -- device identity and cache -------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo's "model name"; else what `platform` says)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name
+
+
 def device_fingerprint(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        name = f"{name} x{torch.get_num_threads()} threads"
+        name = f"{cpu_model()} x{torch.get_num_threads()} threads"
     return f"{device.type}: {name}; torch {torch.__version__}"
 
 

@@ -166,6 +166,7 @@ def test_step_breakdown_script_runs_on_a_solved_schedule(tmp_path):
     from pathlib import Path
 
     from monet_opt.cli import main
+    from monet_opt.profile import cpu_model
 
     sched, prob = tmp_path / "s.json", tmp_path / "p.json"
     small = ["resnet18", "--batch", "2", "--image", "32", "--time-limit", "5", "--step-in-backward", "adam"]
@@ -191,4 +192,6 @@ def test_step_breakdown_script_runs_on_a_solved_schedule(tmp_path):
     assert done.value.code == 0
     text = (tmp_path / "step_breakdown_s.md").read_text()
     assert "Overhead, paired over 2 rounds" in text and "| schedule | recompute |" in text
+    # (the host's CPU model: step times differ by host, 1.6x between two sessions' VMs)
+    assert f"({cpu_model()})" in text
     assert (tmp_path / "step_breakdown_s.png").stat().st_size > 0
