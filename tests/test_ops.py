@@ -522,6 +522,58 @@ def test_batchnorm_output_activated_zero_weight_channel():
     )
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_batchnorm_in_place_backward_from_kept_tensor_equals_x_hat_form(layout):
+    """The float32 in-place backward (sums by torch's kernel on the kept input or output, then
+    g * k1 + z * k2 + k3) gives the gradients of the chunked x_hat form it replaced, and torch's,
+    from the input and from the output alike."""
+    from monet_opt.ops import norm
+
+    torch.manual_seed(0)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = (torch.randn(6, 5, 7, 9) * 3 + 2).contiguous(memory_format=fmt)
+    w, b = torch.randn(5), torch.randn(5)
+    y, mean, invstd = norm._bn_statistics_forward(x, w, b, None, None, 0.1, 1e-5)
+    g = torch.randn_like(x)
+    gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+        g, x, w, None, None, mean, invstd, True, 1e-5, [True] * 3
+    )
+    scale = invstd * w
+    m, s = norm._channel_view(mean, 4), norm._channel_view(invstd, 4)
+    slow = g.clone()
+    slow_sums = norm._bn_backward_in_place(slow, lambda i: x[i].sub(m).mul_(s), scale, True)
+    for z, center, inv in ((x, mean, invstd), (y, b, 1.0 / w)):
+        assert norm._fast_source(g, z, torch.float32)
+        fast = g.clone()
+        sums = norm._bn_backward_from_source(fast, z, center, inv, scale, True)
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fast, gx, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sums, slow_sums, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sums, (gw, gb), rtol=1e-5, atol=1e-5)
+    # the kept tensor in another layout or dtype than the gradient: the x_hat form
+    assert not norm._fast_source(
+        g.contiguous(), x.contiguous(memory_format=torch.channels_last), torch.float32
+    )
+    assert not norm._fast_source(g.bfloat16(), x.bfloat16(), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["output_activated", "inplace_grad"])
+def test_batchnorm_custom_forms_on_bfloat16_activations(name):
+    """bfloat16 activations with float32 batch-norm parameters run the chunked x_hat form (in the
+    statistics' dtype): gradients close to torch's at bfloat16's precision."""
+    ref, mine = _bn_pair()
+    x = (torch.randn(4, 4, 6, 6) * 2 + 1).bfloat16()
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr = ref(xr)
+    ym = run(impls("call_module", mine)[name], mine, (xm,))
+    assert ym.dtype == yr.dtype == torch.bfloat16
+    g = torch.randn_like(yr)
+    got = grads_of(ym, [xm, mine.weight, mine.bias], g.clone())
+    want = grads_of(yr, [xr, ref.weight, ref.bias], g)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.float(), e.float(), rtol=0.05, atol=0.05)
+
+
 def test_batchnorm_saved_bytes():
     bn = nn.BatchNorm2d(16)
     found = impls("call_module", bn)

@@ -28,9 +28,18 @@ kernel) the memo path is off and the batch norm runs in full.
 
 In-place gradient (`grad_in_place`, both custom forms): torch's batch-norm backward allocates the
 input gradient and, on CPU, a same-size temporary. These forms instead take the per-channel sums
-(sum(g), sum(g * x_hat)) with torch's own kernel, then rewrite g chunk by chunk (along the batch)
-as (g - mean(g) - x_hat * mean(g * x_hat)) * invstd * weight: the only temporaries are one chunk
-of x_hat (1/8 of the activation) and per-channel vectors.
+(sum(g), sum(g * x_hat)) with torch's own kernel, then rewrite g as
+(g - mean(g) - x_hat * mean(g * x_hat)) * invstd * weight. Both read x_hat as (z - center) * inv
+per channel from a tensor they keep: the input (center: the batch mean, inv: invstd) or the
+output (center: bias, inv: 1 / weight). Where g and z are in the statistics' dtype (float32 /
+float64) and every weight is non-zero, torch's kernel takes the sums from z, center and inv
+directly, and the rewrite is g * k1 + z * k2 + k3 with per-channel k1, k2, k3 (three in-place
+passes; per batch sample or per 1-MiB piece was no faster): no temporary beyond per-channel
+vectors, within 1.2-2x of torch's own backward's time and about twice as fast as the x_hat form
+(session 59, this CPU, freed memory kept; 8x256x56x56: 4.5 ms, torch's 3.7, x_hat form 8.5;
+8x2048x7x7: 0.50, 0.23, 0.99). Otherwise (half /
+bfloat16 tensors, a zero weight) g is rewritten chunk by chunk (along the batch) from x_hat chunks
+computed in the statistics' dtype: the temporaries are one chunk of x_hat (1/8 of the activation).
 """
 
 from __future__ import annotations
@@ -98,6 +107,32 @@ def _bn_backward_in_place(g: torch.Tensor, xhat_of, scale: torch.Tensor, need_x:
                 gi.copy_(gi.to(stat).sub_(xh).mul_(w))
             del xh, gi  # one chunk of temporaries at a time
     return dot, gsum
+
+
+def _bn_backward_from_source(g: torch.Tensor, z: torch.Tensor, center, inv, scale, need_x: bool):
+    """`_bn_backward_in_place` where x_hat = (z - center) * inv per channel and g, z, center, inv
+    and scale share one floating dtype (see the module docstring): the sums by torch's kernel on
+    z, then g = g * k1 + z * k2 + k3 in three in-place passes. Returns (dot, gsum)."""
+    _, dot, gsum = torch.ops.aten.native_batch_norm_backward(
+        g, z, None, None, None, center, inv, True, 0.0, [False, True, True]
+    )
+    if need_x:
+        c = scale.numel()
+        count = g.numel() // c
+        wide = torch.float64
+        # (g - mean_g - (z - center) * inv * mean_gx) * scale, its per-channel terms in float64
+        s64, i64, mgx = scale.to(wide), inv.to(wide), dot.to(wide) / count
+        k2 = -s64 * i64 * mgx
+        k3 = s64 * (center.to(wide) * i64 * mgx - gsum.to(wide) / count)
+        nd = g.dim()
+        k1, k2, k3 = (_channel_view(k.to(g.dtype), nd) for k in (scale, k2, k3))
+        g.mul_(k1).addcmul_(z, k2).add_(k3)
+    return dot, gsum
+
+
+def _fast_source(g: torch.Tensor, z: torch.Tensor, stat: torch.dtype) -> bool:
+    """The sums-and-rewrite form applies: g and z in the statistics' dtype, z laid out as g."""
+    return g.dtype == stat and z.dtype == stat and z.shape == g.shape and z.stride() == g.stride()
 
 
 def _affine(x, weight, bias, mean, invstd):
@@ -195,7 +230,10 @@ class BatchNormInplaceGrad(torch.autograd.Function):
             return x[index].to(stat).sub(m).mul_(s)
 
         scale = invstd if weight is None else invstd * weight.to(stat)
-        dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
+        if _fast_source(g, x, stat):
+            dot, gsum = _bn_backward_from_source(g, x, mean, invstd, scale, ctx.needs_input_grad[0])
+        else:
+            dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
         grad_x = g if ctx.needs_input_grad[0] else None
         return (grad_x, *_param_grads(ctx, dot, gsum, weight, bias), None, None, None, None, None)
 
@@ -250,7 +288,13 @@ class BatchNormOutputActivated(torch.autograd.Function):
         # computes dx = (g - mean(g) - x_hat * mean(g * x_hat)) * w', dw = sum(g * x_hat), db = sum(g);
         # with w' = weight * invstd this is exactly the gradient of the original batch norm.
         scale = invstd if weight is None else invstd * weight.to(stat)
-        dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
+        if zero_idx is None and _fast_source(g, y, stat):
+            # x_hat = (y - bias) / weight: center bias, inv 1 / weight
+            center = bias.to(stat) if bias is not None else torch.zeros_like(invstd)
+            inv = 1.0 / weight.to(stat) if weight is not None else torch.ones_like(invstd)
+            dot, gsum = _bn_backward_from_source(g, y, center, inv, scale, ctx.needs_input_grad[0])
+        else:
+            dot, gsum = _bn_backward_in_place(g, xhat_of, scale, ctx.needs_input_grad[0])
         grad_x = g if ctx.needs_input_grad[0] else None
         return (grad_x, *_param_grads(ctx, dot, gsum, weight, bias), None, None, None, None, None)
 
