@@ -17,7 +17,7 @@ import solver
 from monet_opt import module_state
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
-from tests.test_runtime import assert_grads_close, budget_at, grads_after_step
+from tests.test_runtime import assert_grads_close, grads_after_step
 
 
 class SpectralNormed(nn.Module):
@@ -121,7 +121,9 @@ def test_a_leaf_changing_its_buffers_is_recomputed_from_its_starting_state(
     for k, v in model.state_dict().items():  # profiling ran the model many times
         assert torch.equal(v, before[k]), f"profiling changed {k}"
     assert problem.meta["fixed_bytes_detail"]["buffer_states"] > 0
-    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    # every node recomputed but the segments' inputs (the lowest-budget plan need not recompute
+    # the stateful leaf: session 59's smaller batch-norm workspaces made HookedBlocks' not)
+    schedule = solver.baselines.checkpoint_all(problem)
     assert stateful in _recomputed(schedule)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     traced = wrapped.executor
