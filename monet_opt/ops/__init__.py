@@ -129,10 +129,17 @@ def implementations_for(op: str, target: Any, example_args=None, example_kwargs=
     assert len(set(names)) == len(names), names
     # (one not written for autocast runs the default under it: a schedule solved without
     # autocast may be trained with it)
+    # (and its state made from inputs is the default's under autocast, none if the default has none)
     return [
         i
         if i.autocast
-        else dataclasses.replace(i, run=_default_under_autocast(i.run, impls[0].run), state_from_inputs=None)
+        else dataclasses.replace(
+            i,
+            run=_default_under_autocast(i.run, impls[0].run),
+            state_from_inputs=None
+            if i.state_from_inputs is None or impls[0].state_from_inputs is None
+            else _default_under_autocast(i.state_from_inputs, impls[0].state_from_inputs),
+        )
         for i in impls
     ]
 
