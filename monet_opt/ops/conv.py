@@ -15,15 +15,18 @@
   measured 61.5 -> 32.5 MiB). Gradients differ from torch's by float rounding only: input
   gradients were bitwise equal in ResNet-50's shapes (tiny convs may take another per-sample
   algorithm), weight gradients are summed over chunks (~2e-7 relative, 6e-6 for the 7x7 stem).
-- "gemm_1x1" (1x1 kernel, stride 1, no padding, one group, a contiguous 4-d input): the
-  convolution as the matrix products it is, on the input's own memory: out[n] = W @ x[n] (one
-  `bmm`), grad x[n] = W^T @ g[n], grad W = sum_n g[n] @ x[n]^T (one `bmm` and a sum
-  where its (batch, out, in) temporary is no larger than the gradient, else one `addmm` per
-  sample). Same kept tensors as the default (input + weight); its state can be made from the
-  input. On this CPU (session 59, 2 threads, ResNet-50 b8 224 shapes) oneDNN's 1x1 convolutions
-  on NCHW tensors take 1.1-1.7x the time of these products in layer1-3's shapes, forward and
-  backward; layer4's (7x7 maps) are slower this way, and the profile decides per node. Values
-  differ from torch's by float rounding (~1e-7 relative; bitwise equal in some shapes).
+- "gemm_backward" (1x1 kernel, stride 1, no padding, one group, a contiguous 4-d input): the
+  forward is F.conv2d itself (bitwise the default's output); the backward is the matrix products
+  a 1x1 convolution is, on the tensors' own memory: grad x[n] = W^T @ g[n] (one `bmm`), grad W =
+  sum_n g[n] @ x[n]^T (one `bmm` and a sum where its (batch, out, in) temporary is no larger than
+  the gradient, else one `addmm` per sample). Same kept tensors as the default (input + weight);
+  its state can be made from the input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
+  shapes) oneDNN's 1x1 convolution backward on NCHW tensors takes 1.1-1.6x the time of these
+  products in layer1-3's shapes; layer4's (7x7 maps) are slower this way, and the profile decides
+  per node. Gradients differ from torch's by float rounding (~1e-6 of the largest on the test
+  models). The forward as products too was faster still (1.1-1.7x), but its outputs differ from
+  oneDNN's by rounding, which small-batch BatchNorms downstream amplify: ResNet-50's stem
+  gradient moved 7e-4 of its largest element in the tests.
 - "zero_packed_input": the forward is F.conv2d itself; the backward state keeps the input packed
   (`zero_pack`: a bit per element and the nonzero elements, lossless) instead of the input's
   storage, and unpacks it for the backward (aten.convolution_backward, as torch's own). For a
@@ -241,9 +244,10 @@ class Conv2dFromInput(torch.autograd.Function):
 
 
 class Conv2dGemm(torch.autograd.Function):
-    """ "gemm_1x1": a 1x1 convolution (stride 1, no padding, one group) on a contiguous 4-d input
-    as matrix products (module docstring). `state_only`: the backward state alone, made from the
-    input (a stand-in output, as `Conv2dFromInput`)."""
+    """The "gemm_backward" implementation: a 1x1 convolution (stride 1, no padding, one group) on a
+    contiguous 4-d input, F.conv2d forward and a backward of matrix products (module docstring).
+    `state_only`: the backward state alone, made from the input (a stand-in output, as
+    `Conv2dFromInput`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, state_only: bool):
@@ -253,12 +257,7 @@ class Conv2dGemm(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         if state_only:
             return x.new_zeros(()).expand(n, co, h, w)
-        # (bmm on detached tensors: matmul takes a path ~5x slower when its 2-d operand requires grad)
-        w2 = weight.detach().reshape(co, ci)
-        out = torch.bmm(w2.expand(n, co, ci), x.detach().view(n, ci, h * w))
-        if bias is not None:
-            out.add_(bias.view(1, co, 1))
-        return out.view(n, co, h, w)
+        return F.conv2d(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
@@ -284,8 +283,8 @@ class Conv2dGemm(torch.autograd.Function):
 
 
 def _gemm_applies(target, args: tuple, kwargs: dict) -> bool:
-    """ "gemm_1x1" is offered where the node is a 1x1 convolution with stride 1, no padding, one
-    group, on a contiguous 4-d floating input (and a contiguous weight)."""
+    """The "gemm_backward" implementation is offered where the node is a 1x1 convolution with stride
+    1, no padding and one group, on a contiguous 4-d floating input (and a contiguous weight)."""
     if not _chunkable(target):
         return False
     p = _conv_params(target, args, kwargs)
@@ -308,7 +307,7 @@ def _gemm_applies(target, args: tuple, kwargs: dict) -> bool:
 
 
 def _make_gemm(state_only: bool):
-    """The run of "gemm_1x1", or its `state_from_inputs`; the default's where the node's
+    """The run of "gemm_backward", or its `state_from_inputs`; the default's where the node's
     arguments do not allow it (e.g. another layout than the profiled example's)."""
 
     def run(target, args, kwargs, recompute):
@@ -495,11 +494,11 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
         return impls
     impls.append(
         Implementation(
-            "gemm_1x1",
+            "gemm_backward",
             _make_gemm(False),
-            "1x1 conv2d as batched matrix products on the input's memory (same kept tensors)",
+            "1x1 conv2d: torch's forward; backward as batched matrix products (same kept tensors)",
             applies=lambda args, kwargs: _gemm_applies(target, args, kwargs),
-            bitwise=False,  # another summation order than oneDNN's / cuDNN's
+            bitwise=False,  # the backward sums in another order than oneDNN's / cuDNN's
             autocast=False,  # (under autocast the default runs)
             state_from_inputs=_make_gemm(True),
         )
@@ -562,7 +561,7 @@ def implementations(op: str, target: Any, example_args=None, example_kwargs=None
 IMPLEMENTATION_NAMES = {
     "conv2d (nn.Conv2d, F.conv2d)": [
         "default",
-        "gemm_1x1",
+        "gemm_backward",
         "chunked_backward",
         "zero_packed_input",
         "chunked*",
