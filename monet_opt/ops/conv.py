@@ -21,9 +21,9 @@
   sum_n g[n] @ x[n]^T (one `bmm` and a sum where its (batch, out, in) temporary is no larger than
   the gradient, else one `addmm` per sample). Same kept tensors as the default (input + weight);
   its state can be made from the input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
-  shapes) oneDNN's 1x1 convolution backward on NCHW tensors takes 1.1-1.6x the time of these
-  products in layer1-3's shapes; layer4's (7x7 maps) are slower this way, and the profile decides
-  per node. Gradients differ from torch's by float rounding (~1e-6 of the largest on the test
+  shapes, `benchmarks/results/session59/conv1x1_micro.py`) oneDNN's 1x1 convolution backward on
+  NCHW tensors takes 1.06-1.4x the time of these products in layer1-3's shapes; layer4's (7x7
+  maps) are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ from torch's by float rounding (~1e-6 of the largest on the test
   models). The forward as products too was faster still (1.1-1.7x), but its outputs differ from
   oneDNN's by rounding, which small-batch BatchNorms downstream amplify: ResNet-50's stem
   gradient moved 7e-4 of its largest element in the tests.
