@@ -23,10 +23,11 @@
   its state can be made from the input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
   shapes, `benchmarks/results/session59/conv1x1_micro.py`) oneDNN's 1x1 convolution backward on
   NCHW tensors takes 1.06-1.4x the time of these products in layer1-3's shapes; layer4's (7x7
-  maps) are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ from torch's by float rounding (~1e-6 of the largest on the test
-  models). The forward as products too was faster still (1.1-1.7x), but its outputs differ from
-  oneDNN's by rounding, which small-batch BatchNorms downstream amplify: ResNet-50's stem
-  gradient moved 7e-4 of its largest element in the tests.
+  maps) are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ
+  from torch's by float rounding (~1e-6 of the largest on the test models). The forward as
+  products too was faster still (1.1-1.7x), but its outputs differ from oneDNN's by rounding,
+  which small-batch BatchNorms downstream amplify: ResNet-50's stem gradient moved 7e-4 of its
+  largest element in the tests.
 - "zero_packed_input": the forward is F.conv2d itself; the backward state keeps the input packed
   (`zero_pack`: a bit per element and the nonzero elements, lossless) instead of the input's
   storage, and unpacks it for the backward (aten.convolution_backward, as torch's own). For a
@@ -285,9 +286,11 @@ class Conv2dGemm(torch.autograd.Function):
 def _gemm_applies(target, args: tuple, kwargs: dict) -> bool:
     """The "gemm_backward" implementation is offered where the node is a 1x1 convolution with stride
     1, no padding and one group, on a contiguous 4-d floating input (and a contiguous weight)."""
-    if not _chunkable(target):
-        return False
-    p = _conv_params(target, args, kwargs)
+    return _chunkable(target) and _gemm_fits(_conv_params(target, args, kwargs))
+
+
+def _gemm_fits(p: dict) -> bool:
+    """`_gemm_applies` on the convolution's arguments (`_conv_params`)."""
     x, weight = p["input"], p["weight"]
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)) or is_fake_or_meta(x):
         return False
@@ -311,12 +314,12 @@ def _make_gemm(state_only: bool):
     arguments do not allow it (e.g. another layout than the profiled example's)."""
 
     def run(target, args, kwargs, recompute):
-        if not _gemm_applies(target, args, kwargs):
-            if state_only:
-                return _state_from_input(None)(target, args, kwargs, recompute)
-            return _plain_conv(_conv_params(target, args, kwargs))
         p = _conv_params(target, args, kwargs)
-        return Conv2dGemm.apply(p["input"], p["weight"], p["bias"], state_only)
+        if _chunkable(target) and _gemm_fits(p):
+            return Conv2dGemm.apply(p["input"], p["weight"], p["bias"], state_only)
+        if state_only:
+            return _state_from_input(None)(target, args, kwargs, recompute)
+        return _plain_conv(p)
 
     return run
 

@@ -32,15 +32,15 @@ input gradient and, on CPU, a same-size temporary. These forms instead take the 
 (g - mean(g) - x_hat * mean(g * x_hat)) * invstd * weight. Both read x_hat as (z - center) * inv
 per channel from a tensor they keep: the input (center: the batch mean, inv: invstd) or the
 output (center: bias, inv: 1 / weight). Where g and z are in the statistics' dtype (float32 /
-float64) and laid out alike, and every weight is non-zero, torch's kernel takes the sums from z, center and inv
-directly, and the rewrite is g * k1 + z * k2 + k3 with per-channel k1, k2, k3 (three in-place
-passes; per batch sample or per 1-MiB piece was no faster): no temporary beyond per-channel
-vectors, within 1.2-2x of torch's own backward's time and 1.5-2.5x as fast as the x_hat form
+float64) and laid out alike, and every weight is non-zero, torch's kernel takes the sums from z,
+center and inv directly, and the rewrite is g * k1 + z * k2 + k3 with per-channel k1, k2, k3
+(three in-place passes; per batch sample or per 1-MiB piece was no faster): no temporary beyond
+per-channel vectors, within 1.2-2x of torch's own backward's time and 1.5-2.5x as fast as the x_hat form
 (session 59, 2 threads, freed memory kept, `benchmarks/results/session59/bn_backward_micro.py`,
 three runs: 8x256x56x56 3.9-5.4 ms, torch's 3.7-3.8, the x_hat form 8.0-10.5; 8x2048x7x7
 0.46-0.59, 0.23-0.30, 0.99-1.25). Otherwise (half / bfloat16 tensors, another layout, a zero
-weight) g is rewritten chunk by chunk (along the batch) from x_hat chunks
-computed in the statistics' dtype: the temporaries are one chunk of x_hat (1/8 of the activation).
+weight) g is rewritten chunk by chunk (along the batch) from x_hat chunks computed in the
+statistics' dtype: the temporaries are one chunk of x_hat (1/8 of the activation).
 """
 
 from __future__ import annotations
