@@ -64,7 +64,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 22  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 23  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
@@ -81,6 +81,7 @@ CACHE_VERSION = 22  # 2: backward workspace net of memory the backward releases;
 # 19: the "indices" max pool lays a channels_last input's gradient out as torch does (was contiguous)
 # 20: in-place batch-norm backwards take their sums from the kept tensor (about twice as fast)
 # 21, 22: "gemm_backward" 1x1 convolutions (21 measured a forward of matrix products, since dropped)
+# 23: "gemm_backward" also on strided 1x1 convolutions (ResNet downsamples)
 
 
 # -- device identity and cache -------------------------------------------------------

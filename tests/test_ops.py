@@ -792,6 +792,7 @@ CONV_CONFIGS = [
     dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect"),
     dict(in_channels=6, out_channels=5, kernel_size=1),  # ("gemm_backward" runs its matrix products)
     dict(in_channels=6, out_channels=4, kernel_size=1, bias=False),
+    dict(in_channels=6, out_channels=4, kernel_size=1, stride=2),  # (strided products)
 ]
 
 
@@ -863,15 +864,16 @@ def test_conv_state_from_input_gives_the_defaults_gradients_bit_for_bit(cfg, lay
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("batch", [6, 1])
 def test_conv_gemm_backward_is_the_convolution(bias, batch):
-    """The "gemm_backward" implementation on a 1x1 convolution: torch's own output, and torch's
-    gradients up to float rounding, both ways of summing the weight gradient (one bmm where its
+    """The "gemm_backward" implementation on a 1x1 convolution, strided or not: torch's own output,
+    and torch's gradients up to float rounding, both ways of summing the weight gradient (one bmm where its
     temporary is no larger than the gradient, one addmm per sample otherwise), the same tensors
     kept; offered only where it applies (the profiler asks `applies` with the node's example)."""
     from monet_opt.ops.conv import Conv2dGemm
 
     torch.manual_seed(0)
-    for cin, cout, side in ((8, 3, 9), (64, 32, 2)):  # (bmm; then addmm: 6*32*64 > 6*32*4)
-        conv = nn.Conv2d(cin, cout, 1, bias=bias)
+    for cin, cout, side, stride in ((8, 3, 9, 1), (64, 32, 2, 1), (8, 3, 9, 2), (64, 32, 5, (3, 2))):
+        # (bmm; then addmm: 6*32*64 > 6*32*4; the same strided, odd sides)
+        conv = nn.Conv2d(cin, cout, 1, stride=stride, bias=bias)
         x0 = torch.randn(batch, cin, side, side + 1)
         xr = x0.clone().requires_grad_()
         ref = conv(xr)
@@ -893,7 +895,7 @@ def test_conv_gemm_backward_is_the_convolution(bias, batch):
     x = torch.randn(2, 8, 5, 5)
     for conv, example in (
         (nn.Conv2d(8, 4, 3), x),
-        (nn.Conv2d(8, 4, 1, stride=2), x),
+        (nn.Conv2d(8, 4, 1, dilation=2), x),
         (nn.Conv2d(8, 4, 1, padding=1), x),
         (nn.Conv2d(8, 4, 1, groups=2), x),
         (nn.Conv2d(8, 4, 1), x.to(memory_format=torch.channels_last)),

@@ -15,16 +15,21 @@
   measured 61.5 -> 32.5 MiB). Gradients differ from torch's by float rounding only: input
   gradients were bitwise equal in ResNet-50's shapes (tiny convs may take another per-sample
   algorithm), weight gradients are summed over chunks (~2e-7 relative, 6e-6 for the 7x7 stem).
-- "gemm_backward" (1x1 kernel, stride 1, no padding, one group, a contiguous 4-d input): the
+- "gemm_backward" (1x1 kernel, no padding or dilation, one group, a contiguous 4-d input): the
   forward is F.conv2d itself (bitwise the default's output); the backward is the matrix products
   a 1x1 convolution is, on the tensors' own memory: grad x[n] = W^T @ g[n] (one `bmm`), grad W =
   sum_n g[n] @ x[n]^T (one `bmm` and a sum where its (batch, out, in) temporary is no larger than
-  the gradient, else one `addmm` per sample). Same kept tensors as the default (input + weight);
-  its state can be made from the input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
+  the gradient, else one `addmm` per sample). With a stride (ResNet downsamples) the products
+  read a copy of the input's strided rows and columns, and grad x is zero but at those
+  positions. Same kept tensors as the default (input + weight); its state can be made from the
+  input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
   shapes, `benchmarks/results/session59/conv1x1_micro.py`) oneDNN's 1x1 convolution backward on
   NCHW tensors takes 1.06-1.4x the time of these products in layer1-3's shapes; layer4's (7x7
   maps) are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ
-  from torch's by float rounding (~1e-6 of the largest on the test models). The forward as
+  from torch's by float rounding (~1e-6 of the largest on the test models). Strided (session 60,
+  `benchmarks/results/session59/conv1x1_micro.py --strided`): ResNet-50's layer2 downsample
+  (256->512, 56x56, stride 2) forward + backward took 61.7 ms with oneDNN's backward, 29.4 with
+  the products; layer3's and layer4's 30.4 -> 25.5 and 33.2 -> 30.2. The forward as
   products too was faster still (1.1-1.7x), but its outputs differ from oneDNN's by rounding,
   which small-batch BatchNorms downstream amplify: ResNet-50's stem gradient moved 7e-4 of its
   largest element in the tests.
@@ -245,31 +250,39 @@ class Conv2dFromInput(torch.autograd.Function):
 
 
 class Conv2dGemm(torch.autograd.Function):
-    """The "gemm_backward" implementation: a 1x1 convolution (stride 1, no padding, one group) on a
-    contiguous 4-d input, F.conv2d forward and a backward of matrix products (module docstring).
+    """The "gemm_backward" implementation: a 1x1 convolution (any stride, no padding or dilation,
+    one group) on a contiguous 4-d input, F.conv2d forward and a backward of matrix products (module docstring).
     `state_only`: the backward state alone, made from the input (a stand-in output, as
     `Conv2dFromInput`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state_only: bool):
+    def forward(ctx, x, weight, bias, stride: tuple[int, int], state_only: bool):
         n, ci, h, w = x.shape
         co = weight.size(0)
         ctx.has_bias = bias is not None
+        ctx.stride = stride
         ctx.save_for_backward(x, weight)
         if state_only:
-            return x.new_zeros(()).expand(n, co, h, w)
-        return F.conv2d(x, weight, bias)
+            return x.new_zeros(()).expand(n, co, (h - 1) // stride[0] + 1, (w - 1) // stride[1] + 1)
+        return F.conv2d(x, weight, bias, stride)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        sh, sw = ctx.stride
         n, ci, h, w = x.shape
-        co = weight.size(0)
-        g3 = g.reshape(n, co, h * w)
-        x3 = x.view(n, ci, h * w)
+        co, ho, wo = g.shape[1:]
+        g3 = g.reshape(n, co, ho * wo)
+        strided = (sh, sw) != (1, 1)
+        # (a strided 1x1 convolution reads every sh-th row and sw-th column: those, as a copy)
+        x3 = x[:, :, ::sh, ::sw].reshape(n, ci, ho * wo) if strided else x.view(n, ci, h * w)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = torch.bmm(weight.detach().reshape(co, ci).t().expand(n, ci, co), g3).view(n, ci, h, w)
+            gx = torch.bmm(weight.detach().reshape(co, ci).t().expand(n, ci, co), g3).view(n, ci, ho, wo)
+            if strided:
+                full = x.new_zeros(x.shape)
+                full[:, :, ::sh, ::sw] = gx
+                gx = full
         if ctx.needs_input_grad[1]:
             if n * co * ci <= g3.numel():  # (a temporary no larger than the gradient)
                 gw = torch.bmm(g3, x3.transpose(1, 2)).sum(0)
@@ -280,12 +293,13 @@ class Conv2dGemm(torch.autograd.Function):
             gw = gw.view_as(weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g3.sum((0, 2))
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def _gemm_applies(target, args: tuple, kwargs: dict) -> bool:
-    """The "gemm_backward" implementation is offered where the node is a 1x1 convolution with stride
-    1, no padding and one group, on a contiguous 4-d floating input (and a contiguous weight)."""
+    """The "gemm_backward" implementation is offered where the node is a 1x1 convolution with no
+    padding or dilation and one group (any stride), on a contiguous 4-d floating input (and a
+    contiguous weight)."""
     return _chunkable(target) and _gemm_fits(_conv_params(target, args, kwargs))
 
 
@@ -303,8 +317,8 @@ def _gemm_fits(p: dict) -> bool:
         and weight.is_contiguous()
         and p["groups"] == 1
         and not isinstance(p["padding"], str)
-        and _pair(p["stride"]) == (1, 1)
         and _pair(p["padding"]) == (0, 0)
+        and _pair(p["dilation"]) == (1, 1)
         and x.size(1) == weight.size(1)
     )
 
@@ -316,7 +330,7 @@ def _make_gemm(state_only: bool):
     def run(target, args, kwargs, recompute):
         p = _conv_params(target, args, kwargs)
         if _chunkable(target) and _gemm_fits(p):
-            return Conv2dGemm.apply(p["input"], p["weight"], p["bias"], state_only)
+            return Conv2dGemm.apply(p["input"], p["weight"], p["bias"], _pair(p["stride"]), state_only)
         if state_only:
             return _state_from_input(None)(target, args, kwargs, recompute)
         return _plain_conv(p)

@@ -3,8 +3,11 @@
 (2 threads, freed memory kept; median of 11 calls, ms).
 
 python benchmarks/results/session59/conv1x1_micro.py
+python benchmarks/results/session59/conv1x1_micro.py --strided   (session 60: layer2-4's stride-2
+    downsamples, "gemm_backward" with a stride; output in results/session60/)
 """
 
+import sys
 import time
 
 import torch
@@ -16,6 +19,7 @@ from monet_opt.ops import implementations_for
 # (in channels, out channels, side): layer1 .. layer4's 1x1 convolutions, batch 8
 SHAPES = [(256, 64, 56), (64, 256, 56), (512, 128, 28), (128, 512, 28), (1024, 256, 14), (256, 1024, 14)]
 SHAPES += [(2048, 512, 7), (512, 2048, 7)]
+STRIDED = [(256, 512, 56), (512, 1024, 28), (1024, 2048, 14)]  # (input side; stride 2)
 
 
 def median_ms(f, reps: int = 11) -> float:
@@ -28,14 +32,14 @@ def median_ms(f, reps: int = 11) -> float:
     return sorted(ts)[reps // 2] * 1e3
 
 
-def row(cin: int, cout: int, side: int) -> list[float]:
-    conv = nn.Conv2d(cin, cout, 1, bias=False)
+def row(cin: int, cout: int, side: int, stride: int) -> list[float]:
+    conv = nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
     x = torch.relu(torch.randn(8, cin, side, side)).requires_grad_()
     found = {i.name: i for i in implementations_for("call_module", conv, (x,), {})}
     out = []
     for name in ("default", "gemm_backward"):
         run = found[name].run
-        g = torch.randn(8, cout, side, side)
+        g = torch.randn(8, cout, side // stride, side // stride)
         out.append(median_ms(lambda run=run: run(conv, (x,), {}, False)))
         out.append(
             median_ms(
@@ -49,10 +53,11 @@ def main() -> None:
     keep_freed_memory()
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    for cin, cout, side in SHAPES:
-        t = row(cin, cout, side)
+    stride = 2 if "--strided" in sys.argv else 1
+    for cin, cout, side in STRIDED if stride == 2 else SHAPES:
+        t = row(cin, cout, side, stride)
         print(
-            f"8x{cin}x{side}x{side} -> {cout}: forward torch {t[0]:.2f} gemm {t[2]:.2f}; "
+            f"8x{cin}x{side}x{side} -> {cout}, stride {stride}: forward torch {t[0]:.2f} gemm {t[2]:.2f}; "
             f"forward+backward torch {t[1]:.2f} gemm {t[3]:.2f}"
         )
 
