@@ -865,9 +865,10 @@ def test_conv_state_from_input_gives_the_defaults_gradients_bit_for_bit(cfg, lay
 @pytest.mark.parametrize("batch", [6, 1])
 def test_conv_gemm_backward_is_the_convolution(bias, batch):
     """The "gemm_backward" implementation on a 1x1 convolution, strided or not: torch's own output,
-    and torch's gradients up to float rounding, both ways of summing the weight gradient (one bmm where its
-    temporary is no larger than the gradient, one addmm per sample otherwise), the same tensors
-    kept; offered only where it applies (the profiler asks `applies` with the node's example)."""
+    and torch's gradients up to float rounding, both ways of summing the weight gradient (one bmm
+    where its temporary is no larger than the gradient, one addmm per sample otherwise), the same
+    tensors kept; offered only where it applies (the profiler asks `applies` with the node's
+    example)."""
     from monet_opt.ops.conv import Conv2dGemm
 
     torch.manual_seed(0)

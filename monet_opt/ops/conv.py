@@ -22,17 +22,17 @@
   the gradient, else one `addmm` per sample). With a stride (ResNet downsamples) the products
   read a copy of the input's strided rows and columns, and grad x is zero but at those
   positions. Same kept tensors as the default (input + weight); its state can be made from the
-  input. On this CPU (session 59, 2 threads, ResNet-50 b8 224
-  shapes, `benchmarks/results/session59/conv1x1_micro.py`) oneDNN's 1x1 convolution backward on
-  NCHW tensors takes 1.06-1.4x the time of these products in layer1-3's shapes; layer4's (7x7
-  maps) are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ
-  from torch's by float rounding (~1e-6 of the largest on the test models). Strided (session 60,
-  `benchmarks/results/session59/conv1x1_micro.py --strided`): ResNet-50's layer2 downsample
-  (256->512, 56x56, stride 2) forward + backward took 61.7 ms with oneDNN's backward, 29.4 with
-  the products; layer3's and layer4's 30.4 -> 25.5 and 33.2 -> 30.2. The forward as
-  products too was faster still (1.1-1.7x), but its outputs differ from oneDNN's by rounding,
-  which small-batch BatchNorms downstream amplify: ResNet-50's stem gradient moved 7e-4 of its
-  largest element in the tests.
+  input. On this CPU (session 59, 2 threads, ResNet-50 b8 224 shapes,
+  `benchmarks/results/session59/conv1x1_micro.py`) oneDNN's 1x1 convolution backward on NCHW
+  tensors takes 1.06-1.4x the time of these products in layer1-3's shapes; layer4's (7x7 maps)
+  are slower this way (0.85-0.98x), and the profile decides per node. Gradients differ from
+  torch's by float rounding (~1e-6 of the largest on the test models). The forward as products
+  too was faster still (1.1-1.7x), but its outputs differ from oneDNN's by rounding, which
+  small-batch BatchNorms downstream amplify: ResNet-50's stem gradient moved 7e-4 of its largest
+  element in the tests. Strided (session 60, the same script with `--strided`,
+  `benchmarks/results/session60/conv1x1_strided_micro.txt`): ResNet-50's layer2 downsample
+  (256->512, 56x56, stride 2) forward + backward took 59.9 ms with oneDNN's backward, 28.3 with
+  the products; layer3's and layer4's 29.4 -> 24.3 and 31.5 -> 29.4.
 - "zero_packed_input": the forward is F.conv2d itself; the backward state keeps the input packed
   (`zero_pack`: a bit per element and the nonzero elements, lossless) instead of the input's
   storage, and unpacks it for the backward (aten.convolution_backward, as torch's own). For a
@@ -251,9 +251,9 @@ class Conv2dFromInput(torch.autograd.Function):
 
 class Conv2dGemm(torch.autograd.Function):
     """The "gemm_backward" implementation: a 1x1 convolution (any stride, no padding or dilation,
-    one group) on a contiguous 4-d input, F.conv2d forward and a backward of matrix products (module docstring).
-    `state_only`: the backward state alone, made from the input (a stand-in output, as
-    `Conv2dFromInput`)."""
+    one group) on a contiguous 4-d input, F.conv2d forward and a backward of matrix products
+    (module docstring). `state_only`: the backward state alone, made from the input (a stand-in
+    output, as `Conv2dFromInput`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride: tuple[int, int], state_only: bool):
@@ -274,8 +274,6 @@ class Conv2dGemm(torch.autograd.Function):
         co, ho, wo = g.shape[1:]
         g3 = g.reshape(n, co, ho * wo)
         strided = (sh, sw) != (1, 1)
-        # (a strided 1x1 convolution reads every sh-th row and sw-th column: those, as a copy)
-        x3 = x[:, :, ::sh, ::sw].reshape(n, ci, ho * wo) if strided else x.view(n, ci, h * w)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = torch.bmm(weight.detach().reshape(co, ci).t().expand(n, ci, co), g3).view(n, ci, ho, wo)
@@ -284,6 +282,8 @@ class Conv2dGemm(torch.autograd.Function):
                 full[:, :, ::sh, ::sw] = gx
                 gx = full
         if ctx.needs_input_grad[1]:
+            # (a strided 1x1 convolution reads every sh-th row and sw-th column: those, as a copy)
+            x3 = x[:, :, ::sh, ::sw].reshape(n, ci, ho * wo) if strided else x.view(n, ci, h * w)
             if n * co * ci <= g3.numel():  # (a temporary no larger than the gradient)
                 gw = torch.bmm(g3, x3.transpose(1, 2)).sum(0)
             else:
