@@ -426,6 +426,7 @@ def run(args) -> list[Row]:
         use_cache=not args.fresh_profile,
         calibrate=args.calibrate,
         meta=spec_meta(args),
+        defer_weight_grads=args.defer_weight_grads,
     )
     profile_s = time.perf_counter() - t0
     # the problem the schedules are solved on, beside them
@@ -628,6 +629,12 @@ def parse_args(argv=None):
         metavar="OPTIMIZER",
         choices=sorted(OPTIMIZERS),
         help="also measure plain PyTorch and monet-opt with this optimizer's step fused into the backward",
+    )
+    ap.add_argument(
+        "--defer-weight-grads",
+        action="store_true",
+        help="monet-opt with gradients kept: heavy weight gradients made after the backward "
+        "(`build_problem(defer_weight_grads=True)`; not the rows with the step in the backward)",
     )
     ap.add_argument(
         "--zero-pack",

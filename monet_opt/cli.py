@@ -95,6 +95,13 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
         "measured on the example batch",
     )
     p.add_argument(
+        "--defer-weight-grads",
+        action="store_true",
+        help="with gradients kept (no --step-in-backward): let convolutions and linear layers whose "
+        "weight gradient outweighs their input and output gradient make it after the backward "
+        "instead of holding it through it (ResNet-50 b8 224: layer4 and fc, 28.7 MiB less held)",
+    )
+    p.add_argument(
         "--bitwise",
         action="store_true",
         help="only implementations whose gradients are bit for bit plain PyTorch's (default: also "
@@ -169,6 +176,7 @@ def _problem(args, quiet: bool = False):
             optimizer=getattr(args, "step_in_backward", None),
             zero_pack=getattr(args, "zero_pack", False),
             bitwise=getattr(args, "bitwise", False),
+            defer_weight_grads=getattr(args, "defer_weight_grads", False),
             meta=spec.meta(),
         )
     if not quiet:
@@ -337,6 +345,10 @@ def cmd_inspect(args) -> int:
     for key, what in (
         ("bitwise", "bit-for-bit implementations only"),
         ("zero_pack", "zero-packed inputs offered"),
+        (
+            "defer_weight_grads",
+            "weight gradients deferred to the end of the backward where they outweigh their inputs",
+        ),
     ):
         if m.get(key):
             print(f"  solved with  {what}")

@@ -85,6 +85,7 @@ def solve_model(
     milp_solver: str = "highs",
     grad_outputs: str = "auto",
     outputs_held: str = "all",
+    defer_weight_grads: bool = False,
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. example_inputs: a tensor,
     a tuple of them, or a dict by keyword (`{'input_ids': ids, 'labels': ids, 'use_cache': False}`
@@ -98,7 +99,9 @@ def solve_model(
     milp_solver: "highs" or "gurobi" (`solver.solve`'s `solver`).
     grad_outputs: which outputs the loss reads ("auto": a returned loss alone; see `build_problem`).
     outputs_held: "loss" for a loop that drops the outputs the loss does not read before the
-    backward (Hugging Face's Trainer; see `build_problem`)."""
+    backward (Hugging Face's Trainer; see `build_problem`).
+    defer_weight_grads: with gradients kept, make heavy weight gradients after the backward (see
+    `build_problem`)."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     budget = parse_budget(budget)  # so does a bad budget
     # (inputs by keyword, {'input_ids': ids, 'labels': ids, 'use_cache': False}: the model is
@@ -114,6 +117,7 @@ def solve_model(
         bitwise=bitwise,
         grad_outputs=grad_outputs,
         outputs_held=outputs_held,
+        defer_weight_grads=defer_weight_grads,
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)

@@ -12,7 +12,9 @@ Every valid schedule must, at some moment:
   inputs' storages, its new output storage (none if it may write into an input,
   `fwd_in_place`) and its workspace (plus its private
   state bytes if it needs a backward, since some compute of it must run with
-  grad=True).
+  grad=True);
+* end the step with every parameter gradient made (those an optimizer step inside the backward
+  frees excepted, deferred ones included) beside the fixed bytes and the outputs the user holds.
 
 The bound is the largest of these quantities; it is <= the simulated peak of any
 valid schedule (tests check it against every strategy and random schedules).
@@ -69,7 +71,21 @@ def min_feasible_lower_bound(problem: Problem) -> int:
         lb = max(lb, _compute_bound(an, i))
     # at the end of the forward every output storage is held
     lb = max(lb, problem.fixed_bytes + an.user_bytes)
-    return int(lb)
+    return int(max(lb, _end_bound(problem, an)))
+
+
+def _end_bound(problem: Problem, an: Analysis) -> int:
+    """The end of the step: every parameter gradient the backwards made (a deferred node's: what
+    it holds for its weight gradient), then the deferred weight gradients made one by one in
+    the least-peak order (most held plus workspace first), each beside its workspace."""
+    live = problem.fixed_bytes + an.user_bytes
+    live += sum(n.param_grad_bytes - n.param_grad_freed_bytes for n in problem.nodes if n.requires_backward)
+    peak = live
+    deferred = [n for n in problem.nodes if n.deferred_param_grad_bytes]
+    for n in sorted(deferred, key=lambda n: -(n.param_grad_bytes + n.deferred_workspace_bytes)):
+        peak = max(peak, live + n.deferred_param_grad_bytes + n.deferred_workspace_bytes)
+        live += n.deferred_param_grad_bytes - n.param_grad_bytes
+    return max(peak, live)
 
 
 def explain_lower_bound(problem: Problem) -> str:
@@ -84,6 +100,9 @@ def explain_lower_bound(problem: Problem) -> str:
         v = _compute_bound(an, i)
         if v > best[0]:
             best = (v, f"computing {an.names[i]!r}", None)
+    v = _end_bound(problem, an)
+    if v > best[0]:
+        best = (v, "the end of the step (every parameter gradient made, deferred ones too)", None)
     text = f"{best[0]} bytes, set by {best[1]}"
     if best[2] is not None:
         # parameter gradients the backwards up to that one made and hold (all of them, unless the

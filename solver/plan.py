@@ -24,7 +24,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from solver.problem import Problem, ProblemError
-from solver.schedule import Schedule, SolverInfo, Stage, Step
+from solver.schedule import DEFERRED_META, Schedule, SolverInfo, Stage, Step
 
 
 class Analysis:
@@ -740,6 +740,15 @@ def plan_time(an: Analysis, plan: Plan) -> float:
     return total
 
 
+def deferred_order(problem: Problem) -> list[str]:
+    """The nodes whose weight gradients are deferred, in the order that makes the end of the step's
+    peak least: most held plus workspace first (an exchange argument: each adds its gradient less
+    what it held, and peaks at what it held plus its workspace above what came before)."""
+    nodes = [n for n in problem.nodes if n.deferred_param_grad_bytes]
+    nodes.sort(key=lambda n: -(n.param_grad_bytes + n.deferred_workspace_bytes))
+    return [n.name for n in nodes]
+
+
 def to_schedule(
     an: Analysis,
     plan: Plan,
@@ -752,6 +761,10 @@ def to_schedule(
     from solver.simulate import simulate
 
     stages = emit(an, plan)
+    meta = dict(meta or {})
+    deferred = deferred_order(an.problem)
+    if deferred:  # (the runtime makes these weight gradients after the last stage: `simulate`)
+        meta[DEFERRED_META] = deferred
     draft = Schedule(
         fingerprint=an.problem.fingerprint,
         budget_bytes=budget_bytes,
@@ -760,7 +773,7 @@ def to_schedule(
         solver=solver_info,
         strategy=strategy,
         stages=tuple(stages),
-        meta=dict(meta or {}),
+        meta=meta,
     )
     sim = simulate(an.problem, draft)
     return Schedule(

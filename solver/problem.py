@@ -19,9 +19,9 @@ from solver.jsonio import atomic_write_text, read_json_object
 
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
 # 6: Node.restores; 7: Problem.recompute_overhead_s; 8: Impl.grad_shared without grad_in_place;
-# 9: Node.output_grad; 10: Node.user_holds; 11: Impl.bwd_from_inputs
-PROBLEM_FORMAT_VERSION = 11
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # (older files still load)
+# 9: Node.output_grad; 10: Node.user_holds; 11: Impl.bwd_from_inputs; 12: Node.deferred_param_grad_bytes
+PROBLEM_FORMAT_VERSION = 12
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -127,6 +127,15 @@ class Node:
         when the optimizer steps inside the backward (`monet_opt` "step in backward": each
         parameter is updated, and its gradient dropped, once its last reader's backward ran).
     param_step_bytes: transient bytes of that optimizer step (its temporaries).
+    deferred_param_grad_bytes: parameter-gradient bytes made after the last backward stage
+        instead of by this node's backward (a weight gradient deferred: its backward makes the
+        input gradients only and leaves held what the weight gradient is computed from, its
+        input and its output's gradient, counted in `param_grad_bytes`; at the end of the step
+        the weight gradient replaces them). `bwd_time` stays the whole backward's. 0: not deferred.
+    deferred_workspace_bytes: transient bytes while those are made (a CPU convolution's weight
+        gradient passes through a temporary of its size).
+        Solver side only so far: `monet_opt.build_problem` does not offer it, and the runtime does
+        not run it (see benchmarks/README.md, session 61).
     is_output: the model returns this value; the user holds it until the step ends.
     user_holds: for an output, False if the user drops it once the loss is computed, before the
         backward (a training loop that keeps only the loss, as Hugging Face's Trainer: the logits
@@ -153,6 +162,8 @@ class Node:
     restores: tuple[Restore, ...] = ()
     output_grad: bool = True
     user_holds: bool = True
+    deferred_param_grad_bytes: int = 0
+    deferred_workspace_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -238,6 +249,14 @@ class Problem:
         return cls.from_dict(read_json_object(path, what="problem"))
 
 
+def storage_bytes(by_name: dict[str, Node], name: str) -> int:
+    """Bytes of the storage node `name`'s output lives in (a view's: its base's)."""
+    node = by_name[name]
+    while node.alias_of is not None:
+        node = by_name[node.inputs[node.alias_of]]
+    return node.output_bytes
+
+
 def _validate(nodes: tuple[Node, ...]) -> None:
     seen: set[str] = set()
     by_name = {n.name: n for n in nodes}
@@ -257,6 +276,13 @@ def _validate(nodes: tuple[Node, ...]) -> None:
             raise ProblemError(f"node {node.name!r}: negative parameter-gradient bytes")
         if (node.param_grad_freed_bytes or node.param_step_bytes) and not node.requires_backward:
             raise ProblemError(f"node {node.name!r}: an optimizer step after a backward it does not have")
+        if min(node.deferred_param_grad_bytes, node.deferred_workspace_bytes) < 0:
+            raise ProblemError(f"node {node.name!r}: negative deferred parameter-gradient bytes")
+        if node.deferred_param_grad_bytes and (not node.requires_backward or node.param_grad_freed_bytes):
+            raise ProblemError(
+                f"node {node.name!r}: a deferred parameter gradient needs a backward and no optimizer "
+                "step inside it (param_grad_freed_bytes)"
+            )
         if not node.output_grad and not node.is_output:
             raise ProblemError(f"node {node.name!r}: output_grad False on a node that is not an output")
         if not node.user_holds and not node.is_output:

@@ -15,6 +15,10 @@ without one. A stage is a list of steps, executed in order:
   free_value   node              drop the schedule's handle on the node's output
   free_state   node              drop the node's backward state
 
+After the last stage, the runtime makes the weight gradients of the nodes that
+`meta["deferred_param_grads"]` names (`Node.deferred_param_grad_bytes`: the problem's), in that
+order.
+
 The set of step ops is open: later storage classes (swap to host, compression)
 add ops such as swap_out / swap_in, and readers reject ops they do not know with
 a message naming it. `monet_opt.runtime` executes the steps; `solver.simulate`
@@ -31,6 +35,8 @@ from solver.jsonio import atomic_write_text, read_json_object
 
 SCHEDULE_FORMAT_VERSION = 1
 STEP_OPS = ("compute", "make_state", "backward", "free_value", "free_state")
+# meta key: the nodes whose weight gradients are made after the last stage (deferred)
+DEFERRED_META = "deferred_param_grads"
 
 
 class ScheduleError(ValueError):

@@ -37,6 +37,11 @@ batch are not counted. Live at any moment is the sum of:
   `param_grad_freed_bytes` of a node (optimizer step inside the backward): freed right
   after that node's backward, once its input gradients are accumulated, after a
   transient peak of live + `param_step_bytes` (the optimizer's temporaries).
+* deferred parameter gradients -- a node with `deferred_param_grad_bytes` holds its
+  `param_grad_bytes` (what its weight gradient is computed from) from its backward on, as
+  above; after the last stage, node by node in the order the schedule's meta lists them, its
+  `deferred_param_grad_bytes` are allocated (a peak, with `deferred_workspace_bytes` beside) and
+  then its `param_grad_bytes` released.
 * `fixed_bytes` of the problem, always.
 
 Transient peaks:
@@ -83,7 +88,8 @@ step in a backward stage:
 the runtime's own cost of running a node outside the forward (its dispatch, and the separate
 autograd graph a recomputation with grad gets).
 
-A schedule is invalid (ScheduleInvalid, naming stage, step and node) if it uses a
+A schedule is invalid (ScheduleInvalid, naming stage, step and node) if its meta's
+deferred weight gradients are not the problem's, if it uses a
 value whose handle is not held, backs a node without its state or gradient, or before a
 consumer's backward has added to that gradient,
 frees what is not held, leaves a node that needs a backward without one, or
@@ -95,7 +101,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from solver.problem import Impl, Node, Problem, Restore
-from solver.schedule import Schedule
+from solver.schedule import DEFERRED_META, Schedule
 
 
 class ScheduleInvalid(ValueError):
@@ -172,6 +178,12 @@ class _Replay:
     def run(self, schedule: Schedule) -> SimResult:
         if not schedule.stages or schedule.stages[0].name != "forward":
             raise ScheduleInvalid("the first stage must be 'forward'")
+        deferred = [n.name for n in self.p.nodes if n.deferred_param_grad_bytes]
+        if sorted(schedule.meta.get(DEFERRED_META, [])) != sorted(deferred):
+            raise ScheduleInvalid(
+                f"the schedule defers the weight gradients of {sorted(schedule.meta.get(DEFERRED_META, []))} "
+                f"(meta {DEFERRED_META!r}), the problem those of {sorted(deferred)}: solved for another problem"
+            )
         time = 0.0
         recompute = 0.0
         forward = 0.0
@@ -232,6 +244,12 @@ class _Replay:
         missing = [n.name for n in self.p.nodes if n.requires_backward and n.name not in self.backed]
         if missing:
             raise ScheduleInvalid(f"nodes never run backward: {', '.join(missing[:8])}")
+        for name in schedule.meta.get(DEFERRED_META, []):  # deferred weight gradients, in that order
+            node = self.by_name[name]
+            if node.deferred_param_grad_bytes:
+                self.live += node.deferred_param_grad_bytes
+                self.peak = max(self.peak, self.live + node.deferred_workspace_bytes)
+                self.live -= node.param_grad_bytes
         return SimResult(self.peak, time, stage_peaks, timeline, recompute, forward)
 
     def _end_forward(self) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import random
 
-from solver.problem import Impl, Node, Problem, Restore
+from solver.problem import Impl, Node, Problem, Restore, storage_bytes
 
 F32 = 4
 
@@ -484,6 +484,24 @@ def with_step_in_backward(problem: Problem, ratio: float = 2.0) -> Problem:
         for n in problem.nodes
     )
     return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":step")
+
+
+def with_deferred_param_grads(problem: Problem) -> Problem:
+    """`problem` with the weight gradients deferred (`Node.deferred_param_grad_bytes`) of every
+    convolution or linear node whose parameter gradient is bigger than what computing it after
+    the last backward stage needs held: its input's storage (a view's base) and its output's
+    gradient, which become its `param_grad_bytes`."""
+    by = {n.name: n for n in problem.nodes}
+    nodes = []
+    for n in problem.nodes:
+        if n.op in ("conv2d", "linear") and n.requires_backward and n.inputs and not n.param_grad_freed_bytes:
+            held = storage_bytes(by, n.inputs[0]) + n.grad_bytes
+            if n.param_grad_bytes > held:
+                n = dataclasses.replace(
+                    n, deferred_param_grad_bytes=n.param_grad_bytes, param_grad_bytes=held
+                )
+        nodes.append(n)
+    return dataclasses.replace(problem, nodes=tuple(nodes), fingerprint=problem.fingerprint + ":deferred")
 
 
 def with_restores(

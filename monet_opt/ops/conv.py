@@ -47,6 +47,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -57,6 +58,13 @@ from torch.nn.modules.utils import _pair
 from . import zero_pack
 from .base import Implementation
 from .common import first_tensor, is_fake_or_meta, out_of_place_default
+
+# True while the runtime runs a node whose weight gradient it makes after the last backward
+# stage (`monet_opt.runtime.deferred`): the Functions here then make no weight or bias gradient
+# in their backward, as aten's convolution backward makes none when the engine does not ask for it
+WEIGHT_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "monet_opt_weight_deferred", default=False
+)
 
 
 def _chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -94,6 +102,7 @@ class Conv2dChunked(torch.autograd.Function):
         ctx.params = (stride, padding, dilation, groups, chunks)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.save_for_backward(x, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         return out
 
     @staticmethod
@@ -109,6 +118,7 @@ class Conv2dChunkedBackward(torch.autograd.Function):
         ctx.params = (stride, padding, dilation, groups, chunks)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.save_for_backward(x, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
@@ -117,11 +127,12 @@ class Conv2dChunkedBackward(torch.autograd.Function):
 
 
 def _grad_mask(ctx) -> list[bool]:
-    """aten.convolution_backward's output mask: (input, weight, bias) as the Function's needs say."""
+    """aten.convolution_backward's output mask: (input, weight, bias) as the Function's needs say
+    (no weight or bias gradient where the runtime makes it after the backward: WEIGHT_DEFERRED)."""
     return [
         ctx.needs_input_grad[0],
-        ctx.needs_input_grad[1],
-        ctx.needs_input_grad[2] and ctx.bias_sizes is not None,
+        ctx.needs_input_grad[1] and not ctx.deferred,
+        ctx.needs_input_grad[2] and ctx.bias_sizes is not None and not ctx.deferred,
     ]
 
 
@@ -175,6 +186,7 @@ class _CudnnFlags(torch.autograd.Function):
         ctx.params = (stride, padding, dilation, groups, benchmark, deterministic)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.save_for_backward(x, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         with torch.backends.cudnn.flags(
             enabled=True,
             benchmark=benchmark,
@@ -208,6 +220,7 @@ class Conv2dZeroPackedInput(torch.autograd.Function):
         packed = zero_pack.pack(x)
         ctx.packed = (packed.shape, packed.dtype, packed.offsets)
         ctx.save_for_backward(packed.bits, packed.values, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
@@ -232,6 +245,7 @@ class Conv2dFromInput(torch.autograd.Function):
         ctx.params = (stride, padding, dilation, groups, chunks)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.save_for_backward(x, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         size = [x.size(0), weight.size(0)]
         for d in range(2):
             extent = dilation[d] * (weight.size(2 + d) - 1) + 1
@@ -262,6 +276,7 @@ class Conv2dGemm(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.stride = stride
         ctx.save_for_backward(x, weight)
+        ctx.deferred = WEIGHT_DEFERRED.get()
         if state_only:
             return x.new_zeros(()).expand(n, co, (h - 1) // stride[0] + 1, (w - 1) // stride[1] + 1)
         return F.conv2d(x, weight, bias, stride)
@@ -281,7 +296,7 @@ class Conv2dGemm(torch.autograd.Function):
                 full = x.new_zeros(x.shape)
                 full[:, :, ::sh, ::sw] = gx
                 gx = full
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not ctx.deferred:
             # (a strided 1x1 convolution reads every sh-th row and sw-th column: those, as a copy)
             x3 = x[:, :, ::sh, ::sw].reshape(n, ci, ho * wo) if strided else x.view(n, ci, h * w)
             if n * co * ci <= g3.numel():  # (a temporary no larger than the gradient)
@@ -291,7 +306,7 @@ class Conv2dGemm(torch.autograd.Function):
                 for k in range(1, n):
                     gw.addmm_(g3[k], x3[k].t())
             gw = gw.view_as(weight)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and ctx.needs_input_grad[2] and not ctx.deferred:
             gb = g3.sum((0, 2))
         return gx, gw, gb, None, None
 

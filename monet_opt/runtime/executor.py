@@ -63,10 +63,11 @@ from monet_opt.ops import implementations_for, makes_gradients, passes_gradient
 from monet_opt.ops.activation import relu_inplace_grad_
 from monet_opt.ops.base import Implementation
 from monet_opt.restore import consumer_of, holds_packed_input, restored_value
+from monet_opt.runtime.deferred import deferrable, deferring, make_weight_gradients
 from monet_opt.runtime.groups import Group, find_groups
 from monet_opt.runtime.segments import RELU_INPLACE_GRAD, Segment, build_segment, guard_gradient
 from monet_opt.storage import gradient_spans_storage, only_reference, spans_storage, storage_key
-from solver.schedule import Schedule
+from solver.schedule import DEFERRED_META, Schedule
 
 # shared autograd graphs (runtime/groups.py) are on unless MONET_OPT_GROUPS=0
 _GROUPS = os.environ.get("MONET_OPT_GROUPS", "1") == "1"
@@ -231,6 +232,9 @@ class _StepRun:
     # run attached (`ScheduleExecutor.run_forward`): the group's inputs read directly, its
     # members' outputs kept in `linked` (graph attached) to the forward's end
     attached: bool = False
+    # what deferred weight gradients are made from, as their nodes' backwards leave it
+    # (`runtime/deferred.py`): consumed after the last stage
+    deferred: list = field(default_factory=list)
 
     def put_value(self, name: str, value: Any, flat: list | None = None) -> None:
         """flat: value's flattened leaves, if the caller has them."""
@@ -278,6 +282,7 @@ class _StepRun:
             self.memos,
             self.param_left,
             self.loss_grads,
+            self.deferred,
         ):
             held.clear()
 
@@ -393,6 +398,16 @@ class ScheduleExecutor:
                     node, target, impls, False, _node_params(gm, node, target), _reuse_kind(node, target)
                 )
         self._check_schedule()
+        # nodes whose weight gradients are made after the last stage (`runtime/deferred.py`)
+        self.deferred = tuple(schedule.meta.get(DEFERRED_META, ()))
+        self._records: list = []  # the running step's `_StepRun.deferred`
+        for name in self.deferred:
+            plan = self.plans.get(name)
+            why = "the model has no such node" if plan is None else deferrable(plan.target)
+            if why:
+                raise ScheduleRuntimeError(f"the schedule defers the weight gradient of {name!r}: {why}")
+            plan.impls = {k: deferring(v, name, lambda: self._records) for k, v in plan.impls.items()}
+        self.deferred_params = {id(p) for name in self.deferred for p in self.plans[name].params}
         # (node, implementation) -> the implementation whose run makes its state from its inputs
         self.state_impls: dict[tuple[str, str], Implementation] = {}
         # restores (`monet_opt.restore`): the nodes whose state they read, and their step names
@@ -534,7 +549,7 @@ class ScheduleExecutor:
         ]
         if self.param_step is not None:
             self._count_param_readers()
-        self.attachable = _ATTACHED and self._one_plain_graph()
+        self.attachable = _ATTACHED and not self.deferred and self._one_plain_graph()
 
     def _one_plain_graph(self) -> bool:
         """The schedule runs the model as plain PyTorch would: nothing computed in a backward
@@ -854,6 +869,11 @@ class ScheduleExecutor:
         a group's shared one) steps inside that call, from a post-accumulate-grad hook, the
         moment the engine has made its gradient (right after its node's backward, as the memory
         model frees it); one read by several calls steps after the last of them."""
+        if self.deferred:
+            raise ScheduleRuntimeError(
+                "this schedule defers weight gradients to the end of the backward; with the optimizer "
+                "step inside the backward, solve without deferred weight gradients"
+            )
         self.param_step = step
         self._count_param_readers()
 
@@ -900,6 +920,8 @@ class ScheduleExecutor:
             state = run.pop_state(name)
             members = (name,)
             params = self.plans[name].params
+        if self.deferred_params:  # (made after the last stage: `runtime/deferred.py`)
+            params = [p for p in params if id(p) not in self.deferred_params]
         # (a parameter frozen since the wrapper was built gets no gradient, as in plain PyTorch;
         # one unfrozen since is refused by the wrapper)
         trainable = params if all(p.requires_grad for p in params) else [p for p in params if p.requires_grad]
@@ -1072,6 +1094,7 @@ class ScheduleExecutor:
         )
         if run.reuse is not None:
             run.flat_len = dict(self.flat_lens[signature])
+        self._records = run.deferred
         self._run_stage(run, 0, recompute=False)
         if attached:
             linked = run.linked
@@ -1110,6 +1133,16 @@ class ScheduleExecutor:
         g = slots = None  # (no handle of an output's gradient left here through the backward)
         for si in range(1, len(self.schedule.stages)):
             self._run_stage(run, si, recompute=True)
+        if run.deferred:  # (in the schedule's order: the memory model's end of the step)
+            order = {name: k for k, name in enumerate(self.deferred)}
+            run.deferred.sort(key=lambda r: order[r.node])
+            targets = {name: self.plans[name].target for name in self.deferred}
+            for param, g in make_weight_gradients(run.deferred, targets):
+                copy = _laid_out_as_param(g, param, run.relaid)
+                g = g if copy is None else copy
+                prev = run.param_grads.get(id(param))
+                run.param_grads[id(param)] = g if prev is None else prev.add_(g)
+                del g, copy
         input_grads = run.input_grads
         input_grads.update({("param", k): v for k, v in run.param_grads.items()})
         if run.reuse is None:  # a whole step decided: replay its decisions from now on
