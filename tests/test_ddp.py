@@ -39,18 +39,22 @@ def _two_ranks(worker, tmp_path, state: dict, xs, out) -> None:
     mp.spawn(worker, args=args, nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("strategy", ["checkpoint_all", "no_recompute"])
-def test_ddp_gradients_equal_single_process(tmp_path, strategy):
-    """Through the wrapper's own backward (a schedule that recomputes) and in the caller's
-    graph (nothing recomputed: `ScheduleExecutor.attachable`), DDP averages plain's gradients."""
+@pytest.mark.parametrize(
+    "strategy, defer", [("checkpoint_all", False), ("no_recompute", False), ("no_recompute", True)]
+)
+def test_ddp_gradients_equal_single_process(tmp_path, strategy, defer):
+    """Through the wrapper's own backward (a schedule that recomputes, or one that defers weight
+    gradients to its end: `monet_opt.runtime.deferred`) and in the caller's graph (nothing
+    recomputed: `ScheduleExecutor.attachable`), DDP averages plain's gradients."""
     torch.manual_seed(0)
     model, x = models.resnet18(batch=2, size=32)
     xs = [x, torch.randn_like(x)]
-    problem = build_problem(model, (x,), progress=False, repeats=1)
+    problem = build_problem(model, (x,), progress=False, repeats=1, defer_weight_grads=defer)
     schedule = getattr(baselines, strategy)(problem)
     assert bool(schedule.recomputed()) == (strategy == "checkpoint_all")
+    assert bool(schedule.meta.get("deferred_param_grads")) == defer
     attached = MonetWrapper(copy.deepcopy(model), schedule, example_inputs=(x,)).executor.attachable
-    assert attached == (strategy == "no_recompute")
+    assert attached == (strategy == "no_recompute" and not defer)
     schedule.to_json(tmp_path / "schedule.json")
     state = copy.deepcopy(model.state_dict())
 

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 
+from monet_opt.bench import loss_of
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from solver import InfeasibleBudget, Problem, baselines, simulate, solve
@@ -208,3 +209,22 @@ def test_a_schedule_for_the_other_problem_is_refused():
         simulate(q, plain_schedule, check_fingerprint=False)
     with pytest.raises(ScheduleInvalid, match="defers the weight gradients"):
         simulate(p, deferred_schedule, check_fingerprint=False)
+
+
+def test_deferred_schedule_channels_last():
+    """A channels_last model and input: the deferred weight gradients come from channels_last
+    tensors, are laid out as their parameters, and the step stays within its prediction."""
+    from tests.test_runtime import budget_at, check_schedule
+
+    torch.manual_seed(0)
+    model, x = models.resnet18(batch=4, size=64)
+    model = model.to(memory_format=torch.channels_last).train()
+    x = x.to(memory_format=torch.channels_last)
+    problem = build_problem(model, (x,), progress=False, repeats=1, defer_weight_grads=True)
+    assert any(n.deferred_param_grad_bytes for n in problem.nodes)
+    schedule = solve(problem, budget_at(problem, 0.4), time_limit=2.0, verbose=False)
+    check_schedule_on("resnet18 channels_last", model, x, problem, schedule, check_schedule)
+    wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
+    loss_of(wrapped(x)).backward()
+    for n, p in model.named_parameters():
+        assert p.grad.stride() == p.stride(), n
