@@ -244,7 +244,7 @@ def cmd_solve(args) -> int:
             )
     except InfeasibleBudget as exc:
         # the user may think in fractions of plain PyTorch's peak: say the smallest one as well
-        plain = no_recompute(problem).predicted_peak_bytes
+        plain = no_recompute(problem.without_deferral()).predicted_peak_bytes
         raise InfeasibleBudget(
             f"{exc}; as a fraction of plain PyTorch's peak ({_mib(plain)}): --budget "
             f"{math.ceil(1000 * exc.minimum_bytes / plain) / 1000:g}",

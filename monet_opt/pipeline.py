@@ -17,10 +17,12 @@ from solver.schedule import Schedule
 
 
 def no_recompute_peak(problem: Problem) -> int:
-    """Simulated peak of plain PyTorch (keep everything) for this problem."""
+    """Simulated peak of plain PyTorch (keep everything, weight gradients not deferred) for this
+    problem."""
     from solver.baselines import no_recompute
 
-    return solver.simulate(problem, no_recompute(problem)).peak_bytes
+    plain = problem.without_deferral()
+    return solver.simulate(plain, no_recompute(plain)).peak_bytes
 
 
 def parse_budget(text: str | float | int) -> float | int | str:

@@ -79,7 +79,8 @@ def check_backend(solver: str) -> None:
 
 
 def resolve_budget(problem, budget) -> int:
-    """Bytes from an int, or from a float in (0, 1] (fraction of the no-recompute peak)."""
+    """Bytes from an int, or from a float in (0, 1] (fraction of the no-recompute peak, weight
+    gradients not deferred: plain PyTorch's)."""
     from solver.baselines import no_recompute
 
     if isinstance(budget, bool):
@@ -87,7 +88,7 @@ def resolve_budget(problem, budget) -> int:
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional budget must be in (0, 1], got {budget}")
-        return int(budget * no_recompute(problem).predicted_peak_bytes)
+        return int(budget * no_recompute(problem.without_deferral()).predicted_peak_bytes)
     return int(budget)
 
 
@@ -506,7 +507,7 @@ def minimum_peak(
     )
     meta = {
         "lower_bound_bytes": lb,
-        "no_recompute_peak_bytes": no_recompute(problem).predicted_peak_bytes,
+        "no_recompute_peak_bytes": no_recompute(problem.without_deferral()).predicted_peak_bytes,
         "min_peak_attempts": low.attempts,
     }
     return dataclasses.replace(sched, meta={**sched.meta, **meta})

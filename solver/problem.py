@@ -12,7 +12,7 @@ in `solver.simulate`'s docstring.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from solver.jsonio import atomic_write_text, read_json_object
@@ -215,6 +215,24 @@ class Problem:
 
     def node(self, name: str) -> Node:
         return self.nodes[self.index()[name]]
+
+    def without_deferral(self) -> Problem:
+        """The problem with no weight gradient deferred (each made by its node's backward again):
+        plain PyTorch's, whose no-recompute peak fractional budgets are fractions of."""
+        if not any(n.deferred_param_grad_bytes for n in self.nodes):
+            return self
+        nodes = tuple(
+            replace(
+                n,
+                param_grad_bytes=n.deferred_param_grad_bytes,
+                deferred_param_grad_bytes=0,
+                deferred_workspace_bytes=0,
+            )
+            if n.deferred_param_grad_bytes
+            else n
+            for n in self.nodes
+        )
+        return replace(self, nodes=nodes)
 
     # -- JSON ----------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -246,3 +246,16 @@ def test_deferred_schedule_channels_last():
     loss_of(wrapped(x)).backward()
     for n, p in model.named_parameters():
         assert p.grad.stride() == p.stride(), n
+
+
+def test_a_fractional_budget_is_a_fraction_of_plain_pytorchs_peak():
+    """Plain PyTorch makes every weight gradient in its backward: a fraction of the peak is of
+    the no-recompute peak without deferral (the deferred problem's own is lower)."""
+    from solver.milp import resolve_budget
+
+    p = early_wide_late_heavy()
+    q = with_deferred_param_grads(p)
+    plain = baselines.no_recompute(p).predicted_peak_bytes
+    assert baselines.no_recompute(q).predicted_peak_bytes < plain
+    assert q.without_deferral().nodes == p.nodes
+    assert resolve_budget(q, 0.5) == resolve_budget(p, 0.5) == int(0.5 * plain)
