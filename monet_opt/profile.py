@@ -679,8 +679,8 @@ def _build_problem(
     )
     if defer_weight_grads and caller_autocast:
         raise ValueError("defer_weight_grads is not offered under autocast")
-    # node -> (its parameters, its module, its input and output as empty tensors), where its module
-    # allows its weight gradient deferred
+    # node -> (its parameters, its module, its input's and output's layouts: `_layout_of`), where
+    # its module allows its weight gradient deferred (tensors are made only for the nodes deferred)
     deferrable_nodes: dict[str, tuple] = {}
     for fx_node in fx_nodes:
         target = _resolve_target(gm, fx_node)
@@ -724,8 +724,7 @@ def _build_problem(
         if defer_weight_grads and autocast is None and params and deferrable(target) is None:
             x0 = args[0] if args else kwargs.get("input")
             if isinstance(x0, torch.Tensor) and isinstance(out, torch.Tensor):
-                like = torch.empty_strided(x0.shape, x0.stride(), dtype=x0.dtype, device=x0.device)
-                deferrable_nodes[fx_node.name] = (params, target, like, torch.empty_like(out))
+                deferrable_nodes[fx_node.name] = (params, target, _layout_of(x0), _layout_of(out))
         float_out = any(t.is_floating_point() or t.is_complex() for t in flat_out)
         if float_out and (grad_positions or params) and fx_node.name in traced_grad:
             requires_grad.add(fx_node.name)
@@ -1063,10 +1062,20 @@ def _defer_weight_grads(nodes: list[Node], candidates: dict[str, tuple], param_u
                     n,
                     deferred_param_grad_bytes=n.param_grad_bytes,
                     param_grad_bytes=held,
-                    deferred_workspace_bytes=workspace_bytes(module, x.zero_(), y.zero_()),
+                    deferred_workspace_bytes=workspace_bytes(module, _zeros(x), _zeros(y)),
                 )
         out.append(n)
     return out
+
+
+def _layout_of(t: torch.Tensor) -> tuple:
+    """What `_zeros` needs to make a tensor laid out as t: (shape, strides, dtype, device)."""
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _zeros(layout: tuple) -> torch.Tensor:
+    shape, stride, dtype, device = layout
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
 
 
 def _steps_in_backward(

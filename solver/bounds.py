@@ -22,7 +22,7 @@ valid schedule (tests check it against every strategy and random schedules).
 
 from __future__ import annotations
 
-from solver.plan import Analysis
+from solver.plan import Analysis, deferred_order
 from solver.problem import Problem
 
 
@@ -81,8 +81,8 @@ def _end_bound(problem: Problem, an: Analysis) -> int:
     live = problem.fixed_bytes + an.user_bytes
     live += sum(n.param_grad_bytes - n.param_grad_freed_bytes for n in problem.nodes if n.requires_backward)
     peak = live
-    deferred = [n for n in problem.nodes if n.deferred_param_grad_bytes]
-    for n in sorted(deferred, key=lambda n: -(n.param_grad_bytes + n.deferred_workspace_bytes)):
+    by_name = {n.name: n for n in problem.nodes}
+    for n in (by_name[name] for name in deferred_order(problem)):
         peak = max(peak, live + n.deferred_param_grad_bytes + n.deferred_workspace_bytes)
         live += n.deferred_param_grad_bytes - n.param_grad_bytes
     return max(peak, live)

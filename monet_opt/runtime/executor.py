@@ -408,6 +408,8 @@ class ScheduleExecutor:
                 raise ScheduleRuntimeError(f"the schedule defers the weight gradient of {name!r}: {why}")
             plan.impls = {k: deferring(v, name, lambda: self._records) for k, v in plan.impls.items()}
         self.deferred_params = {id(p) for name in self.deferred for p in self.plans[name].params}
+        self.deferred_rank = {name: k for k, name in enumerate(self.deferred)}  # (their order)
+        self.deferred_targets = {name: self.plans[name].target for name in self.deferred}
         # (node, implementation) -> the implementation whose run makes its state from its inputs
         self.state_impls: dict[tuple[str, str], Implementation] = {}
         # restores (`monet_opt.restore`): the nodes whose state they read, and their step names
@@ -1134,10 +1136,8 @@ class ScheduleExecutor:
         for si in range(1, len(self.schedule.stages)):
             self._run_stage(run, si, recompute=True)
         if run.deferred:  # (in the schedule's order: the memory model's end of the step)
-            order = {name: k for k, name in enumerate(self.deferred)}
-            run.deferred.sort(key=lambda r: order[r.node])
-            targets = {name: self.plans[name].target for name in self.deferred}
-            for param, g in make_weight_gradients(run.deferred, targets):
+            run.deferred.sort(key=lambda r: self.deferred_rank[r.node])
+            for param, g in make_weight_gradients(run.deferred, self.deferred_targets):
                 copy = _laid_out_as_param(g, param, run.relaid)
                 g = g if copy is None else copy
                 prev = run.param_grads.get(id(param))
