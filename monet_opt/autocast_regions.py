@@ -71,6 +71,21 @@ def under(spec: Spec | None) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def without_cast_cache() -> Iterator[None]:
+    """Autocast's cache of weight casts off (what autocast regions entered inside inherit), as
+    the runtime runs (`runtime.wrapper._autocast`): profiling under the caller's autocast with
+    the cache on measured a node's forward after its weight's lower-precision copy was cached by
+    an earlier run, so the copy the runtime makes was missing from its workspace (resnet18 b4 64
+    under bfloat16: the stem convolution's 18816 B, a schedule measured over its budget)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """Backward kernels run as in a plain `loss.backward()` outside autocast: the wrapper's
     backward runs under the forward's autocast (for recomputation), and a backward formula made

@@ -65,7 +65,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore, storage_bytes
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 23  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 24  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
@@ -83,6 +83,7 @@ CACHE_VERSION = 23  # 2: backward workspace net of memory the backward releases;
 # 20: in-place batch-norm backwards take their sums from the kept tensor (about twice as fast)
 # 21, 22: "gemm_backward" 1x1 convolutions (21 measured a forward of matrix products, since dropped)
 # 23: "gemm_backward" also on strided 1x1 convolutions (ResNet downsamples)
+# 24: under the caller's autocast, measured without autocast's cache of weight casts (as the runtime)
 
 
 # -- device identity and cache -------------------------------------------------------
@@ -245,6 +246,19 @@ def _makes_state_from_inputs(
         return False
     out = flat_out[0]
     return isinstance(stand_in, torch.Tensor) and stand_in.shape == out.shape and stand_in.dtype == out.dtype
+
+
+def _no_grad_forward_transient(impl: Implementation, target: Any, a: tuple, k: dict) -> int:
+    """Peak bytes of one forward of `impl` without grad (as the runtime recomputes a node whose
+    state it does not keep) beyond the outputs it leaves allocated."""
+    with torch.no_grad():
+        measured = measure_peak(impl.run, target, a, k, True)
+    out = measured.result
+    measured.result = None
+    flat_out = {storage_key(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    inputs = {storage_key(v) for v in tree_flatten((a, k))[0] if isinstance(v, torch.Tensor)}
+    owned = sum(_storage_bytes(t) for key, t in flat_out.items() if key not in inputs)
+    return max(0, measured.peak_bytes - owned)
 
 
 def measure_node(
@@ -413,6 +427,13 @@ def measure_node(
     unseen = max(0, left_by_forward - out_owned - saved_private)
     state_bytes = saved_private + unseen if needs_grad else 0
     fwd_workspace = max(0, fwd_peak - out_owned - state_bytes)
+    # run without grad (a recomputation whose state is not kept), a node may still make what it
+    # keeps with grad, and free it: autocast's lower-precision copies of its input and weight,
+    # which the kernel reads (resnet18 b4 64 under bfloat16: a stem convolution recomputed
+    # without grad measured 117 KB over its prediction, the schedule over its budget)
+    nograd_fwd_workspace = (
+        _no_grad_forward_transient(impl, target, *make_inputs()[:2]) if needs_grad else None
+    )
     bwd_workspace = 0
     grad_passed_flat: list[int] = []
     if grads:
@@ -464,6 +485,7 @@ def measure_node(
         "recompute_time": recompute_time,
         "bwd_time": bwd_time,
         "fwd_workspace": int(fwd_workspace),
+        "nograd_fwd_workspace": nograd_fwd_workspace,
         "bwd_workspace": int(bwd_workspace),
         "kept_input_flat": sorted(kept_input_flat),
         "keeps_output": keeps_output,
@@ -771,9 +793,10 @@ def _build_problem(
                         RuntimeWarning,
                         stacklevel=2,
                     )
-                entry = measure_node(
-                    fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats
-                )
+                with autocast_regions.without_cast_cache():
+                    entry = measure_node(
+                        fx_node, target, impl, args, kwargs, grad_positions, params, device, repeats
+                    )
                 busy_measured += is_busy(load)
                 cache.put(key, entry, load)
             else:
@@ -804,6 +827,7 @@ def _build_problem(
                 if fx_node.name in requires_grad
                 else 0.0,
                 fwd_workspace=entry["fwd_workspace"],
+                nograd_fwd_workspace=entry["nograd_fwd_workspace"],
                 bwd_workspace=entry["bwd_workspace"] if fx_node.name in requires_grad else 0,
                 keeps_inputs=tuple(kept),
                 keeps_output=entry["keeps_output"],

@@ -47,7 +47,9 @@ def _compute_bound(an: Analysis, i: int) -> int:
         # a new storage (0 for a view, or for an output written into an input: fwd_in_place)
         written = im.fwd_in_place is not None and an.a[an.base[an.inputs[i][im.fwd_in_place]]] == an.a[i]
         own = 0 if written else an.a[i]
-        v = own + im.fwd_workspace + (im.state_bytes if an.rb[i] else 0)
+        v = own + im.forward_workspace(False)
+        if an.rb[i]:  # computed with grad at least once, or else without
+            v = min(v, own + im.fwd_workspace + im.state_bytes)
         best = v if best is None else min(best, v)
     return an.problem.fixed_bytes + sum(an.a[b] for b in ins) + (best or 0)
 

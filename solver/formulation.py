@@ -647,8 +647,16 @@ class Formulation:
                         run_coefs.append(st)
             if len(run_cols) > FWD_RUN_TERMS:
                 run_cols, run_coefs = [self._sum_col(run_cols, run_coefs)], [1.0]
-            ws_cols = [self.k[i][m] for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
-            ws_coefs = [an.impls[i][m].fwd_workspace for m in range(nimp[i]) if an.impls[i][m].fwd_workspace]
+            # workspace: without grad k's, with grad (F <= k) F's instead
+            ws_cols, ws_coefs = [], []
+            for m in range(nimp[i]):
+                im = an.impls[i][m]
+                if im.forward_workspace(False):
+                    ws_cols.append(self.k[i][m])
+                    ws_coefs.append(im.forward_workspace(False))
+                if i in F and im.fwd_workspace != im.forward_workspace(False):
+                    ws_cols.append(F[i][m])
+                    ws_coefs.append(im.fwd_workspace - im.forward_workspace(False))
             for m in range(nimp[i]):  # written into its input's storage, freed right after
                 j = sources[i][m]
                 if j is not None and an.lastfs[j] == i and j in S0:

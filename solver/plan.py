@@ -277,10 +277,12 @@ class Analysis:
         return self.recompute_time(i, m)
 
     def step_workspace(self, i: int, m: int) -> int:
-        """Transient bytes of recompute entry (i, m) beyond its output."""
+        """Transient bytes of recompute entry (i, m) beyond its output: with grad or without,
+        whichever is more (the MILP's recompute rows do not say which)."""
         if m >= self.nimp[i]:
             return self.restores[i][m - self.nimp[i]][2].workspace
-        return self.impls[i][m].fwd_workspace
+        im = self.impls[i][m]
+        return max(im.fwd_workspace, im.forward_workspace(False))
 
     def step_index(self, i: int, name: str) -> int:
         """The recompute-entry index of a compute step's name: an implementation's, or

@@ -20,8 +20,9 @@ from solver.jsonio import atomic_write_text, read_json_object
 # 2: Impl.grad_in_place; 3: Impl.recompute_time; 4: Impl.fwd_in_place, Impl.grad_shared;
 # 6: Node.restores; 7: Problem.recompute_overhead_s; 8: Impl.grad_shared without grad_in_place;
 # 9: Node.output_grad; 10: Node.user_holds; 11: Impl.bwd_from_inputs; 12: Node.deferred_param_grad_bytes
-PROBLEM_FORMAT_VERSION = 12
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # (older files still load)
+# 13: Impl.nograd_fwd_workspace
+PROBLEM_FORMAT_VERSION = 13
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)  # (older files still load)
 
 
 class ProblemError(ValueError):
@@ -37,7 +38,13 @@ class Impl:
     state_bytes: private bytes the backward state holds besides those storages
         (batch-norm statistics, a 1-bit ReLU mask, packed pooling indices, ...).
     fwd_workspace / bwd_workspace: transient bytes during the call, beyond the
-        output (forward) or the new input gradients (backward).
+        output (forward) or the new input gradients (backward). `fwd_workspace` is of a
+        computation with grad, beyond its output and `state_bytes`.
+    nograd_fwd_workspace: transient bytes of a computation without grad (one that makes no
+        backward state) beyond its output; None: `fwd_workspace`. It may exceed
+        `fwd_workspace`: without grad a node still makes, and frees, some of what it keeps with
+        grad (autocast's lower-precision copies of its input and weight, which the kernel
+        reads; a ReLU's bitmask; pooling indices). See `forward_workspace`.
     recompute_time: forward time when the node runs again in a backward stage, if it
         differs from `fwd_time` (batch norm recomputed from the batch statistics of its
         first computation: one affine pass instead of a statistics pass and an affine
@@ -78,6 +85,13 @@ class Impl:
     grad_shared: tuple[int, ...] = ()
     fwd_in_place: int | None = None
     bwd_from_inputs: bool = False
+    nograd_fwd_workspace: int | None = None
+
+    def forward_workspace(self, grad: bool) -> int:
+        """Transient bytes of a computation beyond its output and (with grad) `state_bytes`."""
+        if grad or self.nograd_fwd_workspace is None:
+            return self.fwd_workspace
+        return self.nograd_fwd_workspace
 
     @property
     def keeps_inputs_only(self) -> bool:

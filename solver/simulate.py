@@ -45,7 +45,8 @@ batch are not counted. Live at any moment is the sum of:
 * `fixed_bytes` of the problem, always.
 
 Transient peaks:
-* compute: live + output_bytes (if not a view) + state_bytes (if grad) + fwd_workspace.
+* compute: live + output_bytes (if not a view) + state_bytes + fwd_workspace (with grad), or
+  + nograd_fwd_workspace (without grad; `Impl.forward_workspace`).
   If the node's value handle is already live, the new output is a second storage;
   the old one is released only when nothing else holds it.
   In-place forward: if the implementation names an input position in `fwd_in_place`
@@ -299,7 +300,7 @@ class _Replay:
         else:
             key = self._new_copy(node)
         state_bytes = impl.state_bytes if grad else 0
-        self._bump(state_bytes + impl.fwd_workspace)
+        self._bump(state_bytes + impl.forward_workspace(grad))
         self._take_handle(node.name, key)
         if grad:
             self._set_state(node, impl, state_bytes, [key] if impl.keeps_output else [])

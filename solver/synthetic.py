@@ -557,6 +557,28 @@ def with_state_from_inputs(problem: Problem, op: str = "conv2d") -> Problem:
     return dataclasses.replace(problem, nodes=tuple(nodes), fingerprint=problem.fingerprint + ":from_inputs")
 
 
+def with_nograd_workspace(problem: Problem) -> Problem:
+    """`problem` with workspaces of computations without grad (`Impl.nograd_fwd_workspace`) as
+    autocast makes them: an implementation with private state makes it without grad too, and
+    frees it (its workspace grows by its state); one without keeps half its workspace."""
+    nodes = tuple(
+        dataclasses.replace(
+            n,
+            impls=tuple(
+                dataclasses.replace(
+                    im,
+                    nograd_fwd_workspace=im.fwd_workspace + im.state_bytes
+                    if im.state_bytes
+                    else im.fwd_workspace // 2,
+                )
+                for im in n.impls
+            ),
+        )
+        for n in problem.nodes
+    )
+    return dataclasses.replace(problem, nodes=nodes, fingerprint=problem.fingerprint + ":nograd")
+
+
 def problem_zoo() -> dict[str, Problem]:
     """The small zoo the strategy tests sweep over."""
     return {
@@ -567,6 +589,7 @@ def problem_zoo() -> dict[str, Problem]:
         "resnet_bneck60": resnet(60, seed=4, bottleneck=True),
         "random10": random_dag(10, seed=5),
         "random16": random_dag(16, seed=6),
+        "random16_nograd": with_nograd_workspace(random_dag(16, seed=6)),
         "random24": random_dag(24, seed=7),
         "transformer2": transformer(2, seed=8),
     }

@@ -24,7 +24,7 @@ from monet_opt.pipeline import solve_model
 from monet_opt.profile import build_problem
 from monet_opt.runtime import MonetWrapper
 from tests import models
-from tests.test_runtime import budget_at
+from tests.test_runtime import DATA, budget_at
 
 BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
 
@@ -102,3 +102,28 @@ def test_a_schedule_solved_under_autocast(monkeypatch, tmp_path):
     peak = measure_peak(_autocast_step, wrapped, x).peak_bytes
     assert peak <= schedule.budget_bytes
     assert peak == pytest.approx(schedule.predicted_peak_bytes, rel=0.05)
+
+
+def test_a_recomputation_without_grad_under_autocast_is_predicted(monkeypatch, tmp_path):
+    """Without grad, a convolution under autocast still makes (and frees) the bfloat16 copies of
+    its input and weight that it keeps with grad: profiled as `Impl.nograd_fwd_workspace`. A
+    schedule (recorded in tests/data, solved on a busy CPU's profile) recomputes the stem
+    convolution without grad where it peaks; the profile had also measured each forward after
+    autocast's cache held the weight's copy. Together: 27.8 KB over the budget, 32 KB over the
+    prediction; measured now at most the prediction."""
+    monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
+    model, x = models.resnet18(batch=4, size=64)
+    with torch.autocast(**BF16):
+        problem = build_problem(model, (x,), progress=False, repeats=1)
+    stem = problem.node("conv1").impls[0]
+    assert stem.name == "default" and stem.state_bytes > 0
+    assert stem.nograd_fwd_workspace >= stem.fwd_workspace + stem.state_bytes
+    schedule = solver.Schedule.from_json(DATA / "resnet18_bf16_stem_recomputed_without_grad.json")
+    stage = next(st for st in schedule.stages if st.name == "backward:layer1_0_bn2")
+    assert stage.steps[0] == solver.Step("compute", "conv1", "default", False)
+    predicted = solver.simulate(problem, schedule).peak_bytes
+    wrapped = MonetWrapper(model, schedule, input_shape=tuple(x.shape))
+    _autocast_step(wrapped, x)
+    peak = measure_peak(_autocast_step, wrapped, x).peak_bytes
+    assert peak <= predicted
+    assert peak == pytest.approx(predicted, rel=0.05)

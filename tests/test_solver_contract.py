@@ -743,3 +743,35 @@ def test_a_state_made_from_inputs_follows_a_forward_of_its_own_implementation():
     stages = emit(an, plan)
     assert Step("compute", "c", "d", True) in stages[2].steps
     assert B.plan_time(an, plan) == pytest.approx(1 + 3 + 1 + 1 + (5 + 0.25) + 7 + 1)
+
+
+def test_a_computation_without_grad_has_its_own_workspace():
+    """`Impl.nograd_fwd_workspace`: a step computing without grad peaks at its output plus that
+    workspace (no state); with grad at its output, its state and `fwd_workspace` (autocast's
+    copies of a convolution's input and weight are made, and freed, without grad too). The field
+    survives JSON; None means `fwd_workspace`."""
+    plain = _conv_chain(from_inputs=False)
+    c = plain.node("c")
+    im = dataclasses.replace(c.impls[0], state_bytes=30, nograd_fwd_workspace=120)
+    both = dataclasses.replace(
+        plain, nodes=tuple(dataclasses.replace(n, impls=(im,)) if n.name == "c" else n for n in plain.nodes)
+    )
+    schedule = _make_state_schedule("compute")  # forward: c without grad; c's stage: with grad
+    without = simulate(
+        dataclasses.replace(
+            both,
+            nodes=tuple(
+                dataclasses.replace(n, impls=(dataclasses.replace(im, nograd_fwd_workspace=None),))
+                if n.name == "c"
+                else n
+                for n in both.nodes
+            ),
+        ),
+        schedule,
+    )
+    got = simulate(both, schedule)
+    assert got.stage_peaks[0] == 100 + 300 + 120  # a held, c's output and its no-grad workspace
+    assert without.stage_peaks[0] == 100 + 300 + 50
+    assert got.stage_peaks[2] == without.stage_peaks[2]  # the recomputation with grad: unchanged
+    assert Problem.from_dict(json.loads(json.dumps(both.to_dict()))) == both
+    assert im.forward_workspace(True) == 50 and im.forward_workspace(False) == 120
