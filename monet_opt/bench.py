@@ -196,7 +196,7 @@ def paired_ratio(ta: list, tb: list) -> tuple[float, float, float]:
 class StepParts:
     """Seconds of one training step by part: the computes of the forward stage, the
     recomputations (computes in backward stages), the backward steps (with an optimizer step in
-    the backward, its steps too), and the rest of the step (`other_s`: the loss, the autograd
+    the backward, its steps too; deferred weight gradients, made after the last stage, too), and the rest of the step (`other_s`: the loss, the autograd
     engine, the runtime's own work between nodes; zero in a prediction)."""
 
     forward_s: float
@@ -212,7 +212,7 @@ class StepParts:
 def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepParts:
     """Where a `MonetWrapper`'s step time goes: every node timed where it runs
     (`monet_opt.node_timer`), means per step over `steps` timed steps after an untimed one."""
-    from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
+    from monet_opt.node_timer import BACKWARD, DEFERRED, FORWARD, RECOMPUTE, RESTORE, NodeTimer
 
     timer = NodeTimer(wrapped.executor, inputs)
     try:
@@ -225,7 +225,7 @@ def measure_parts(wrapped: nn.Module, inputs: tuple, steps: int = 3) -> StepPart
     return StepParts(
         timer.total(FORWARD) / steps,
         (timer.total(RECOMPUTE) + timer.total(RESTORE)) / steps,  # (restores: the simulator's too)
-        timer.total(BACKWARD) / steps,
+        (timer.total(BACKWARD) + timer.total(DEFERRED)) / steps,  # (the simulator's backward too)
         total / steps,
     )
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from monet_opt.malloc import freed_memory_kept
-from monet_opt.node_timer import BACKWARD, FORWARD, RECOMPUTE, RESTORE, NodeTimer
+from monet_opt.node_timer import FORWARD, RECOMPUTE, RESTORE, NodeTimer
 from monet_opt.restore import consumer_of
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX
 from monet_opt.train_modes import restore_training_modes, training_for_profile, training_modes
@@ -72,7 +72,7 @@ class _StepTimer:
         training_step(self.wrapped, self.inputs)
 
     def medians(self) -> tuple[dict, dict]:
-        return self.timer.medians(FORWARD), self.timer.medians(BACKWARD)
+        return self.timer.medians(FORWARD), self.timer.backward_medians()
 
 
 def in_situ_times(
@@ -190,7 +190,7 @@ def calibrate_on_schedule(
         del wrapped, runner
     finally:
         _restore_model_state(model, saved)
-    fwd, rec, bwd = timer.medians(FORWARD), timer.medians(RECOMPUTE), timer.medians(BACKWARD)
+    fwd, rec, bwd = timer.medians(FORWARD), timer.medians(RECOMPUTE), timer.backward_medians()
     restored = timer.medians(RESTORE)
     first = {s.node: s.impl for s in schedule.stages[0].steps if s.op == "compute"}
     again_steps = [s for st in schedule.stages[1:] for s in st.steps if s.op == "compute"]

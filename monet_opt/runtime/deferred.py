@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,20 +123,16 @@ def workspace_bytes(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> int:
 
 def make_weight_gradients(
     records: list[Captured], targets: dict[str, nn.Module]
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, gradient) of every recorded node, in the order recorded (their backwards'),
-    each record let go of once its gradients are made (the memory model's end of the step)."""
-    while records:
-        r = records.pop(0)
-        if (r.x._version, r.g._version) != r.versions:
-            raise RuntimeError(
-                f"deferred weight gradient of {r.node!r}: its input or output gradient was written in "
-                "place after its backward; solve without deferred weight gradients"
-            )
-        module = targets[r.node]
-        gw, gb = weight_gradients(module, r.x, r.g)
-        del r
-        if gw is not None:
-            yield module.weight, gw
-        if gb is not None:
-            yield module.bias, gb
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, gradient) of the first recorded node, its record taken off `records` and let
+    go of once its gradients are made (the memory model's end of the step: node by node)."""
+    r = records.pop(0)
+    if (r.x._version, r.g._version) != r.versions:
+        raise RuntimeError(
+            f"deferred weight gradient of {r.node!r}: its input or output gradient was written in "
+            "place after its backward; solve without deferred weight gradients"
+        )
+    module = targets[r.node]
+    gw, gb = weight_gradients(module, r.x, r.g)
+    del r
+    return [(p, g) for p, g in ((module.weight, gw), (module.bias, gb)) if g is not None]
