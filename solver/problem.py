@@ -354,6 +354,9 @@ def _validate(nodes: tuple[Node, ...]) -> None:
                 )
             if min(impl.fwd_time, impl.bwd_time, impl.recompute_time or 0.0) < 0:
                 raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative time")
+            for field_name in ("fwd_workspace", "bwd_workspace", "state_bytes", "nograd_fwd_workspace"):
+                if (getattr(impl, field_name) or 0) < 0:
+                    raise ProblemError(f"node {node.name!r} impl {impl.name!r}: negative {field_name}")
         seen.add(node.name)
 
 

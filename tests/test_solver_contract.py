@@ -775,3 +775,7 @@ def test_a_computation_without_grad_has_its_own_workspace():
     assert got.stage_peaks[2] == without.stage_peaks[2]  # the recomputation with grad: unchanged
     assert Problem.from_dict(json.loads(json.dumps(both.to_dict()))) == both
     assert im.forward_workspace(True) == 50 and im.forward_workspace(False) == 120
+    bad = both.to_dict()
+    bad["nodes"][1]["impls"][0]["nograd_fwd_workspace"] = -1
+    with pytest.raises(ProblemError, match="node 'c' impl 'd': negative nograd_fwd_workspace"):
+        Problem.from_dict(bad)
