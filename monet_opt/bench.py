@@ -196,8 +196,9 @@ def paired_ratio(ta: list, tb: list) -> tuple[float, float, float]:
 class StepParts:
     """Seconds of one training step by part: the computes of the forward stage, the
     recomputations (computes in backward stages), the backward steps (with an optimizer step in
-    the backward, its steps too; deferred weight gradients, made after the last stage, too), and the rest of the step (`other_s`: the loss, the autograd
-    engine, the runtime's own work between nodes; zero in a prediction)."""
+    the backward, its steps too; deferred weight gradients, made after the last stage, too), and
+    the rest of the step (`other_s`: the loss, the autograd engine, the runtime's own work between
+    nodes; zero in a prediction)."""
 
     forward_s: float
     recompute_s: float

@@ -255,10 +255,14 @@ def _no_grad_forward_transient(impl: Implementation, target: Any, a: tuple, k: d
         measured = measure_peak(impl.run, target, a, k, True)
     out = measured.result
     measured.result = None
-    flat_out = {storage_key(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
     inputs = {storage_key(v) for v in tree_flatten((a, k))[0] if isinstance(v, torch.Tensor)}
-    owned = sum(_storage_bytes(t) for key, t in flat_out.items() if key not in inputs)
-    return max(0, measured.peak_bytes - owned)
+    return max(0, measured.peak_bytes - _owned_bytes(tree_flatten(out)[0], inputs))
+
+
+def _owned_bytes(flat_out: list, input_keys) -> int:
+    """Bytes of the output tensors' storages, each once, but those of an input's storage."""
+    outs = {storage_key(t): t for t in flat_out if isinstance(t, torch.Tensor)}
+    return sum(_storage_bytes(t) for key, t in outs.items() if key not in input_keys)
 
 
 def measure_node(
@@ -414,11 +418,7 @@ def measure_node(
             keeps_output = True
         else:
             private[key] = nbytes
-    out_owned = sum(
-        _storage_bytes(t)
-        for t in {storage_key(t): t for t in flat_out}.values()
-        if storage_key(t) not in input_ptrs
-    )
+    out_owned = _owned_bytes(flat_out, input_ptrs)
     # what the forward left allocated beyond its outputs and the tensors it saved for the
     # backward is state the saved-tensor hooks do not see: a custom autograd.Function keeping a
     # tensor as an attribute of ctx (`ctx.t = torch.tanh(x)`), held until its graph is freed

@@ -751,24 +751,17 @@ def test_a_computation_without_grad_has_its_own_workspace():
     copies of a convolution's input and weight are made, and freed, without grad too). The field
     survives JSON; None means `fwd_workspace`."""
     plain = _conv_chain(from_inputs=False)
-    c = plain.node("c")
-    im = dataclasses.replace(c.impls[0], state_bytes=30, nograd_fwd_workspace=120)
-    both = dataclasses.replace(
-        plain, nodes=tuple(dataclasses.replace(n, impls=(im,)) if n.name == "c" else n for n in plain.nodes)
-    )
+
+    def with_c(impl):
+        return dataclasses.replace(
+            plain,
+            nodes=tuple(dataclasses.replace(n, impls=(impl,)) if n.name == "c" else n for n in plain.nodes),
+        )
+
+    im = dataclasses.replace(plain.node("c").impls[0], state_bytes=30, nograd_fwd_workspace=120)
+    both = with_c(im)
     schedule = _make_state_schedule("compute")  # forward: c without grad; c's stage: with grad
-    without = simulate(
-        dataclasses.replace(
-            both,
-            nodes=tuple(
-                dataclasses.replace(n, impls=(dataclasses.replace(im, nograd_fwd_workspace=None),))
-                if n.name == "c"
-                else n
-                for n in both.nodes
-            ),
-        ),
-        schedule,
-    )
+    without = simulate(with_c(dataclasses.replace(im, nograd_fwd_workspace=None)), schedule)
     got = simulate(both, schedule)
     assert got.stage_peaks[0] == 100 + 300 + 120  # a held, c's output and its no-grad workspace
     assert without.stage_peaks[0] == 100 + 300 + 50
