@@ -8,15 +8,16 @@ Nothing is measured: each scenario rewrites the problem's costs (`SCENARIOS` bel
 solver (`solver.solve`, the same time limit for every row) says how much faster the best
 schedule it finds becomes. A scenario only makes costs lower, so where the solves are proven
 optimal (to `mip_gap`, 1 % as `solver.solve`'s default) its predicted time is never higher than
-the baseline's by more than that; under a time limit both sides
-carry the solver's own run-to-run spread (about 0.5 % on ResNet-50 b8 224 at 1/3 in 60 s,
-session 63), which is the noise floor of a row. A budget <= 1 is a fraction of the problem's
-no-recompute peak (as simulated), a larger one is bytes; --budget-of takes a schedule's.
+the baseline's by more than that; under a time limit both sides carry the solver's own
+run-to-run spread (about 0.5 % on ResNet-50 b8 224 at 1/3 in 60 s, session 63), which is the
+noise floor of a row. A budget <= 1 is a fraction of the problem's no-recompute peak (plain
+PyTorch's, as `monet-opt solve` reads it), a larger one is bytes; --budget-of takes a schedule's.
 
-Session 63 used it to rule ideas out (README's "Session 63" in benchmarks/README.md): on
-ResNet-50 b8 224 with gradients kept at 1/3, free forward workspaces (batch-chunked convolution
-forwards) bought nothing, free backward workspaces 1.5 %, in-place batch-norm backwards as fast
-as torch's own 0.8 %.
+Session 63 used it to rule ideas out ("Session 63" in benchmarks/README.md): on
+ResNet-50 b8 224 with gradients kept at 1/3, free forward workspaces (what batch-chunked
+convolution forwards would approach) bought nothing, the convolutions' backward workspaces free
+1.7 %, in-place batch-norm backwards as fast as torch's own 1.6 % (0.8 % on another day's
+problem): none worth a new kernel on its own.
 
 Writes DIR/what_if_<problem name>.md (DIR: --out).
 """
@@ -31,10 +32,8 @@ import sys
 from pathlib import Path
 
 import solver
-from solver import Problem, Schedule
-from solver.baselines import no_recompute
+from solver import Problem, Schedule, resolve_budget
 from solver.jsonio import atomic_write_text
-from solver.simulate import simulate
 
 # op names as the profile records them (`monet_opt.profile`), and as `solver.synthetic` does
 CONV_OPS = ("conv2d",)
@@ -100,12 +99,10 @@ SCENARIOS = {
 
 
 def budget_bytes(problem: Problem, budget: float) -> int:
-    """A budget <= 1: that fraction of the no-recompute schedule's simulated peak; else bytes."""
-    if budget <= 0:
-        raise ValueError(f"budget must be positive, got {budget}")
-    if budget <= 1:
-        return int(budget * simulate(problem, no_recompute(problem)).peak_bytes)
-    return int(budget)
+    """A budget <= 1: that fraction of the no-recompute peak with every weight gradient made in
+    the backward (plain PyTorch's; as `monet-opt solve` reads it: `solver.resolve_budget`); else
+    bytes."""
+    return resolve_budget(problem, float(budget) if budget <= 1 else int(budget))
 
 
 def solve_row(name: str, problem: Problem, budget: int, time_limit: float, mip_gap: float = 0.01) -> dict:

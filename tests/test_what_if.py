@@ -73,5 +73,5 @@ def test_unknown_scenario_and_bad_budget_are_refused(what_if, tmp_path):
     synthetic.chain(6).to_json(path)
     with pytest.raises(SystemExit):
         what_if["main"]([str(path), "--budget", "0.6", "--scenarios", "faster_everything"])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="budget"):
         what_if["budget_bytes"](synthetic.chain(6), 0.0)
