@@ -1,7 +1,7 @@
 """What a cheaper cost would buy, before anyone builds it: a saved problem solved as it is and
 with one hypothetical change to its costs at a time, predicted step times side by side.
 
-    python benchmarks/what_if.py PROBLEM.json --budget 0.3333 [--time-limit 60] [--scenarios a,b]
+    python benchmarks/what_if.py PROBLEM.json --budget 0.3333 [--time-limit 60] [--scenarios a,b+c]
     python benchmarks/what_if.py PROBLEM.json --budget-of SCHEDULE.json
 
 Nothing is measured: each scenario rewrites the problem's costs (`SCENARIOS` below) and the
@@ -98,6 +98,13 @@ SCENARIOS = {
 }
 
 
+def apply(name: str, problem: Problem) -> Problem:
+    """`problem` with the scenario `name` applied; "a+b": a, then b."""
+    for part in name.split("+"):
+        problem = SCENARIOS[part](problem)
+    return problem
+
+
 def budget_bytes(problem: Problem, budget: float) -> int:
     """A budget <= 1: that fraction of the no-recompute peak with every weight gradient made in
     the backward (plain PyTorch's; as `monet-opt solve` reads it: `solver.resolve_budget`); else
@@ -139,13 +146,15 @@ def main(argv=None) -> int:
     group.add_argument("--budget-of", help="a schedule whose budget to use")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument(
-        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}"
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated rows, a+b: both changes in one row; of: {', '.join(SCENARIOS)}",
     )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
 
     names = [s for s in args.scenarios.split(",") if s]
-    unknown = [s for s in names if s not in SCENARIOS]
+    unknown = [part for s in names for part in s.split("+") if part not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     problem = Problem.from_json(args.problem)
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     rows = []
     for name in ["as measured", *names]:
         print(f"solving: {name} ({args.time_limit:g} s)", file=sys.stderr, flush=True)
-        changed = problem if name == "as measured" else SCENARIOS[name](problem)
+        changed = problem if name == "as measured" else apply(name, problem)
         rows.append(solve_row(name, changed, budget, args.time_limit))
     text = "\n".join(
         [

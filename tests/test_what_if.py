@@ -44,6 +44,8 @@ def test_each_scenario_changes_only_what_it_names(what_if):
             else:
                 assert b == a
     assert problem.fingerprint == fast.fingerprint  # (the same model: schedules stay comparable)
+    both = what_if["apply"]("fwd_workspace_free+bwd_workspace_free", problem)
+    assert all(im.fwd_workspace == 0 and im.bwd_workspace == 0 for n in both.nodes for im in n.impls)
 
 
 def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path, capsys):
@@ -60,18 +62,18 @@ def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path
     assert all(r["time_s"] <= rows[0]["time_s"] * (1 + 1e-9) and r["peak"] <= budget for r in rows)
     assert any(r["time_s"] < rows[0]["time_s"] * (1 - 1e-6) for r in rows[1:])  # (one of them buys something)
 
-    two = "fwd_workspace_free,bwd_workspace_free"
+    two = "fwd_workspace_free,fwd_workspace_free+bwd_workspace_free"
     argv = [str(path), "--budget", "0.4", "--time-limit", "5", "--scenarios", two, "--out", str(tmp_path)]
     assert what_if["main"](argv) == 0
     text = (tmp_path / "what_if_chain.md").read_text()
     assert text.count("\n| ") == 4  # the header, "as measured", the two scenarios
-    assert "| as measured | " in text and "| bwd_workspace_free | " in text
+    assert "| as measured | " in text and "| fwd_workspace_free+bwd_workspace_free | " in text
 
 
 def test_unknown_scenario_and_bad_budget_are_refused(what_if, tmp_path):
     path = tmp_path / "chain.json"
     synthetic.chain(6).to_json(path)
     with pytest.raises(SystemExit):
-        what_if["main"]([str(path), "--budget", "0.6", "--scenarios", "faster_everything"])
+        what_if["main"]([str(path), "--budget", "0.6", "--scenarios", "fwd_workspace_free+faster_everything"])
     with pytest.raises(ValueError, match="budget"):
         what_if["budget_bytes"](synthetic.chain(6), 0.0)
