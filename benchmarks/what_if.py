@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -61,19 +62,10 @@ def fwd_workspace_free(problem: Problem) -> Problem:
     return _map_impls(problem, change)
 
 
-def bwd_workspace_free(problem: Problem) -> Problem:
-    """Every backward workspace 0."""
-    return _map_impls(problem, lambda _n, im: dataclasses.replace(im, bwd_workspace=0))
-
-
-def conv_bwd_workspace_free(problem: Problem) -> Problem:
-    """The convolutions' backward workspaces 0."""
-    return _map_impls(problem, lambda _n, im: dataclasses.replace(im, bwd_workspace=0), CONV_OPS)
-
-
-def batchnorm_bwd_workspace_free(problem: Problem) -> Problem:
-    """The batch norms' backward workspaces 0 (torch's own backward allocates a same-size temporary)."""
-    return _map_impls(problem, lambda _n, im: dataclasses.replace(im, bwd_workspace=0), BATCHNORM_OPS)
+def bwd_workspace_free(problem: Problem, ops: tuple[str, ...] | None = None) -> Problem:
+    """Every backward workspace 0 (of those ops' nodes, if given: torch's own batch-norm backward
+    allocates a same-size temporary, oneDNN's convolution backward a copy of its output gradient)."""
+    return _map_impls(problem, lambda _n, im: dataclasses.replace(im, bwd_workspace=0), ops)
 
 
 def inplace_batchnorm_as_fast(problem: Problem) -> Problem:
@@ -92,8 +84,8 @@ def inplace_batchnorm_as_fast(problem: Problem) -> Problem:
 SCENARIOS = {
     "fwd_workspace_free": fwd_workspace_free,
     "bwd_workspace_free": bwd_workspace_free,
-    "conv_bwd_workspace_free": conv_bwd_workspace_free,
-    "batchnorm_bwd_workspace_free": batchnorm_bwd_workspace_free,
+    "conv_bwd_workspace_free": functools.partial(bwd_workspace_free, ops=CONV_OPS),
+    "batchnorm_bwd_workspace_free": functools.partial(bwd_workspace_free, ops=BATCHNORM_OPS),
     "inplace_batchnorm_as_fast": inplace_batchnorm_as_fast,
 }
 
@@ -183,7 +175,6 @@ def main(argv=None) -> int:
     )
     print(text)
     path = Path(args.out) / f"what_if_{Path(args.problem).stem}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -28,7 +28,7 @@ def test_each_scenario_changes_only_what_it_names(what_if):
     assert any(im.fwd_workspace > 0 for n in problem.nodes for im in n.impls)  # (there was some)
     free_bwd = what_if["bwd_workspace_free"](problem)
     assert all(im.bwd_workspace == 0 for n in free_bwd.nodes for im in n.impls)
-    conv = what_if["conv_bwd_workspace_free"](problem)
+    conv = what_if["SCENARIOS"]["conv_bwd_workspace_free"](problem)
     for before, after in zip(problem.nodes, conv.nodes):
         for a, b in zip(before.impls, after.impls):
             assert b.bwd_workspace == (0 if before.op == "conv2d" else a.bwd_workspace)
@@ -43,12 +43,13 @@ def test_each_scenario_changes_only_what_it_names(what_if):
                 changed += b.bwd_time != a.bwd_time
             else:
                 assert b == a
+    assert changed > 0  # (synthetic in-place batch norms are slower than the default: 15 here)
     assert problem.fingerprint == fast.fingerprint  # (the same model: schedules stay comparable)
     both = what_if["apply"]("fwd_workspace_free+bwd_workspace_free", problem)
     assert all(im.fwd_workspace == 0 and im.bwd_workspace == 0 for n in both.nodes for im in n.impls)
 
 
-def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path, capsys):
+def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path):
     """On a small chain every solve is proven optimal: a scenario (costs only lowered) is never
     predicted slower than the problem as it is; the script writes one row per scenario."""
     problem = synthetic.chain(10)
