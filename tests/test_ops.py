@@ -522,17 +522,29 @@ def test_batchnorm_output_activated_zero_weight_channel():
     )
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_batchnorm_in_place_backward_from_kept_tensor_equals_x_hat_form(layout):
-    """The float32 in-place backward (sums by torch's kernel on the kept input or output, then
-    g * k1 + z * k2 + k3) gives the gradients of the chunked x_hat form it replaced, and torch's,
-    from the input and from the output alike."""
-    from monet_opt.ops import norm
+@pytest.mark.parametrize(
+    "layout,kernel,shape",
+    [
+        ("contiguous", "on", (6, 5, 7, 9)),
+        ("contiguous", "on", (4, 12, 40, 40)),  # big enough to split the channels over threads
+        ("contiguous", "off", (6, 5, 7, 9)),
+        ("channels_last", "on", (6, 5, 7, 9)),
+    ],
+)
+def test_batchnorm_in_place_backward_from_kept_tensor_equals_x_hat_form(layout, kernel, shape, monkeypatch):
+    """The float32 in-place backward (sums and g * k1 + z * k2 + k3 from the kept input or output:
+    by the C kernel where it applies, else by torch's kernel and three in-place passes) gives the
+    gradients of the chunked x_hat form it replaced, and torch's, from the input and from the
+    output alike."""
+    from monet_opt.ops import batch_norm_kernel, norm
 
+    if kernel == "off":
+        monkeypatch.setenv("MONET_OPT_BN_KERNEL", "0")
     torch.manual_seed(0)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    x = (torch.randn(6, 5, 7, 9) * 3 + 2).contiguous(memory_format=fmt)
-    w, b = torch.randn(5), torch.randn(5)
+    x = (torch.randn(*shape) * 3 + 2).contiguous(memory_format=fmt)
+    c = shape[1]
+    w, b = torch.randn(c), torch.randn(c)
     y, mean, invstd = norm._bn_statistics_forward(x, w, b, None, None, 0.1, 1e-5)
     g = torch.randn_like(x)
     gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
@@ -544,17 +556,34 @@ def test_batchnorm_in_place_backward_from_kept_tensor_equals_x_hat_form(layout):
     slow_sums = norm._bn_backward_in_place(slow, lambda i: x[i].sub(m).mul_(s), scale, True)
     for z, center, inv in ((x, mean, invstd), (y, b, 1.0 / w)):
         assert norm._fast_source(g, z, torch.float32)
+        assert batch_norm_kernel.usable(g, z) == (layout == "contiguous" and kernel == "on")
         fast = g.clone()
         sums = norm._bn_backward_from_source(fast, z, center, inv, scale, True)
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fast, gx, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sums, slow_sums, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sums, (gw, gb), rtol=1e-5, atol=1e-5)
+    # only the sums: g untouched
+    kept = g.clone()
+    sums = norm._bn_backward_from_source(kept, x, mean, invstd, scale, False)
+    assert torch.equal(kept, g)
+    torch.testing.assert_close(sums, (gw, gb), rtol=1e-5, atol=1e-5)
     # the kept tensor in another layout or dtype than the gradient: the x_hat form
     assert not norm._fast_source(
         g.contiguous(), x.contiguous(memory_format=torch.channels_last), torch.float32
     )
     assert not norm._fast_source(g.bfloat16(), x.bfloat16(), torch.float32)
+
+
+def test_batch_norm_kernel_compiles_on_this_machine():
+    # CI's machine is like this one (a C compiler on PATH): the fast path must be there
+    from monet_opt.ops import batch_norm_kernel
+
+    assert batch_norm_kernel.kernel() is not None, batch_norm_kernel.kernel_error()
+    x = torch.randn(2, 3, 4)
+    assert batch_norm_kernel.usable(x, x.clone())
+    assert not batch_norm_kernel.usable(x.double(), x.double())
+    assert not batch_norm_kernel.usable(x, x.transpose(1, 2).contiguous().transpose(1, 2))
 
 
 @pytest.mark.parametrize("name", ["output_activated", "inplace_grad"])

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import batch_norm_kernel
 from .base import Implementation
 from .common import bind, first_tensor, refuse_higher_order
 
@@ -113,7 +114,11 @@ def _bn_backward_in_place(g: torch.Tensor, xhat_of, scale: torch.Tensor, need_x:
 def _bn_backward_from_source(g: torch.Tensor, z: torch.Tensor, center, inv, scale, need_x: bool):
     """`_bn_backward_in_place` where x_hat = (z - center) * inv per channel and g, z, center, inv
     and scale share one floating dtype (see the module docstring): the sums by torch's kernel on
-    z, then g = g * k1 + z * k2 + k3 in three in-place passes. Returns (dot, gsum)."""
+    z, then g = g * k1 + z * k2 + k3 in three in-place passes; on CPU float32 contiguous tensors
+    one C kernel does it all (`batch_norm_kernel`). Returns (dot, gsum)."""
+    fused = batch_norm_kernel.backward(g, z, center, inv, scale, need_x)
+    if fused is not None:
+        return fused
     _, dot, gsum = torch.ops.aten.native_batch_norm_backward(
         g, z, None, None, None, center, inv, True, 0.0, [False, True, True]
     )

@@ -20,20 +20,12 @@ Measured (AMD EPYC with AVX-512, one ReLU output of 8x256x56x56 fp32, 24.5 MiB, 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from . import c_kernels
 from .common import pack_bits, unpack_bits
 
 _C_SOURCE = r"""
@@ -111,46 +103,8 @@ _ALIGN = 16
 # Below this many elements one thread does the whole tensor.
 _MIN_PARALLEL = 1 << 16
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
-_pool: ThreadPoolExecutor | None = None
 
-
-def _cpu_key() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("flags", "model name"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
-
-
-def _compile() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    from monet_opt.profile import cache_dir  # (here: profile imports the ops registry)
-
-    digest = hashlib.sha256((_C_SOURCE + _cpu_key()).encode()).hexdigest()[:16]
-    path = cache_dir() / f"zero_pack-{digest}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "zero_pack.c"
-            src.write_text(_C_SOURCE)
-            out = Path(tmp) / "zero_pack.so"
-            flags = ["-O3", "-shared", "-fPIC"]
-            if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-                flags.append("-march=native")
-            proc = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling the zero-pack kernel failed: {proc.stderr.strip()[:400]}")
-            staged = path.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(out, staged)
-            os.replace(staged, path)  # atomic: a concurrent process loads a whole file or none
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     lib.zp_mask.restype = ctypes.c_int64
     lib.zp_mask.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.zp_compress.restype = None
@@ -163,25 +117,18 @@ def _compile() -> ctypes.CDLL:
     ]
     lib.zp_expand.restype = None
     lib.zp_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    return lib
+
+
+_KERNEL = c_kernels.Kernel("zero_pack", _C_SOURCE, _declare, "MONET_OPT_ZERO_PACK_KERNEL")
 
 
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None (and `kernel_error()` says why); compiled once per process."""
-    global _lib, _lib_error
-    if os.environ.get("MONET_OPT_ZERO_PACK_KERNEL", "1") == "0":
-        return None
-    with _lock:
-        if _lib is None and _lib_error is None:
-            try:
-                _lib = _compile()
-            except (OSError, RuntimeError) as exc:
-                _lib_error = str(exc)
-        return _lib
+    return _KERNEL.get()
 
 
 def kernel_error() -> str | None:
-    return _lib_error
+    return _KERNEL.error
 
 
 @dataclass
@@ -223,16 +170,6 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
-def _run(fn, jobs: list[tuple]) -> list:
-    global _pool
-    if len(jobs) == 1:
-        return [fn(*jobs[0])]
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()))
-    return list(_pool.map(lambda job: fn(*job), jobs))  # ctypes releases the GIL in the calls
-
-
 def pack(x: torch.Tensor) -> Packed:
     """x as a bit mask of its nonzero elements and those elements (lossless, bitwise)."""
     if _kernel_usable(x):
@@ -247,14 +184,14 @@ def _pack_kernel(x: torch.Tensor) -> Packed:
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
     xp, bp = words.data_ptr(), bits.data_ptr()
     chunks = _chunks(n)
-    counts = _run(lambda a, b: lib.zp_mask(xp + 4 * a, b - a, bp + a // 8), chunks)
+    counts = c_kernels.run(lambda a, b: lib.zp_mask(xp + 4 * a, b - a, bp + a // 8), chunks)
     values = torch.empty(int(sum(counts)), dtype=x.dtype)
     vp, offsets, k = values.data_ptr(), [], 0
     for (a, b), c in zip(chunks, counts):
         offsets.append((a, b, k))
         k += c
     jobs = [(a, b, k, c) for (a, b, k), c in zip(offsets, counts)]
-    _run(lambda a, b, k, c: lib.zp_compress(xp + 4 * a, b - a, bp + a // 8, vp + 4 * k, c), jobs)
+    c_kernels.run(lambda a, b, k, c: lib.zp_compress(xp + 4 * a, b - a, bp + a // 8, vp + 4 * k, c), jobs)
     return Packed(bits, values, x.shape, x.dtype, tuple(offsets))
 
 
@@ -276,7 +213,9 @@ def unpack(p: Packed) -> torch.Tensor:
     if lib is not None:
         out = torch.empty(p.shape, dtype=p.dtype)
         op, bp, vp = out.data_ptr(), p.bits.data_ptr(), p.values.data_ptr()
-        _run(lambda a, b, k: lib.zp_expand(bp + a // 8, vp + 4 * k, b - a, op + 4 * a), list(p.offsets))
+        c_kernels.run(
+            lambda a, b, k: lib.zp_expand(bp + a // 8, vp + 4 * k, b - a, op + 4 * a), list(p.offsets)
+        )
         return out
     n = math.prod(p.shape)
     mask = unpack_bits(p.bits, n, (n,))
