@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import types
 
 import pytest
 import torch
@@ -584,6 +585,36 @@ def test_batch_norm_kernel_compiles_on_this_machine():
     assert batch_norm_kernel.usable(x, x.clone())
     assert not batch_norm_kernel.usable(x.double(), x.double())
     assert not batch_norm_kernel.usable(x, x.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(4, 6, 9, 11), (4, 12, 40, 40), (8, 20, 3), (3, 6, 17)])
+def test_batch_norm_kernel_forward_is_torchs_bitwise_and_replays(shape, affine):
+    """The custom forms' training forward by the C kernel: output, batch statistics and running
+    statistics bitwise torch's; given the statistics it returned, the same output again."""
+    from monet_opt.ops import batch_norm_kernel, norm
+
+    assert batch_norm_kernel.forward_is_exact()  # the once-per-process probe holds on this CPU
+    torch.manual_seed(0)
+    c = shape[1]
+    x = torch.randn(*shape) * 3 + 2
+    w, b = (torch.randn(c), torch.randn(c)) if affine else (None, None)
+    rm, rv = torch.randn(c), torch.rand(c) + 0.5
+    rm2, rv2 = rm.clone(), rv.clone()
+    want = norm._bn_statistics_forward(x, w, b, rm, rv, 0.1, 1e-5)
+    ctx, memo = types.SimpleNamespace(), {}
+    got = norm._bn_forward(ctx, x, w, b, rm2, rv2, 0.1, 1e-5, memo)
+    assert memo["kernel"]
+    for a, e in zip((*got, rm2, rv2), (*want, rm, rv)):
+        assert torch.equal(a, e)
+    again = norm._bn_forward(ctx, x, w, b, None, None, 0.1, 1e-5, memo)
+    assert torch.equal(again[0], got[0])
+    # one element per plane, 2-d, float64, channels_last: torch's op
+    for other in (x[:, :, :1], x[:, :, 0] if x.dim() == 3 else x[:, :, 0, 0], x.double()):
+        assert batch_norm_kernel.forward(other, None, None, None, None, 0.1, 1e-5) is None
+    if x.dim() == 4:
+        cl = x.contiguous(memory_format=torch.channels_last)
+        assert batch_norm_kernel.forward(cl, None, None, None, None, 0.1, 1e-5) is None
 
 
 @pytest.mark.parametrize("name", ["output_activated", "inplace_grad"])

@@ -1,7 +1,7 @@
-"""Session 64 probe: the in-place batch-norm backward by the C kernel (ops/batch_norm_kernel.py)
-against the torch-ops form it replaces (torch's sums, three in-place passes) and torch's own
-backward, one call each on ResNet-50 b8 224 shapes (2 threads, freed memory kept; median of 21
-calls, ms), from the kept input.
+"""Session 64 probe: batch norm's C kernels (ops/batch_norm_kernel.py) against torch, one call
+each on ResNet-50 b8 224 shapes (2 threads, freed memory kept; median of 21 calls, ms): the
+in-place backward (from the kept input) against the torch-ops form it replaces (torch's sums,
+three in-place passes) and torch's own backward; the training forward against torch's.
 
 python benchmarks/results/session64/bn_kernel_micro.py
 """
@@ -42,7 +42,12 @@ def row(shape: tuple) -> list[float]:
         lambda g: torch_ops_form(g, x, mean, invstd, scale),
         lambda g: batch_norm_kernel.backward(g, x, mean, invstd, scale, True),
     ]
-    return [median_ms(f, g0) for f in forms]
+    rm, rv = torch.zeros(c), torch.ones(c)
+    forwards = [
+        lambda _: norm._bn_statistics_forward(x, w, b, rm, rv, 0.1, 1e-5),
+        lambda _: batch_norm_kernel.forward(x, w, b, rm, rv, 0.1, 1e-5),
+    ]
+    return [median_ms(f, g0) for f in forms + forwards]
 
 
 def main() -> None:
@@ -52,7 +57,11 @@ def main() -> None:
     assert batch_norm_kernel.kernel() is not None, batch_norm_kernel.kernel_error()
     for shape in SHAPES:
         t = row(shape)
-        print(shape, f"torch {t[0]:.2f}  torch-ops in-place {t[1]:.2f}  kernel {t[2]:.2f}")
+        print(
+            shape,
+            f"backward: torch {t[0]:.2f}  torch-ops in-place {t[1]:.2f}  kernel {t[2]:.2f}   "
+            f"forward: torch {t[3]:.2f}  kernel {t[4]:.2f}",
+        )
 
 
 if __name__ == "__main__":
