@@ -65,7 +65,7 @@ from solver.jsonio import atomic_write_text
 from solver.problem import Impl, Node, Problem, Restore, storage_bytes
 
 RUNTIME_RESERVE_BYTES = 64 * 1024
-CACHE_VERSION = 25  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
+CACHE_VERSION = 26  # 2: backward workspace net of memory the backward releases; 4: in-place gradients;
 # 5: an in-place backward's workspace no longer net of the gradient buffer it was fed; 6: recompute_time
 # 7: the runtime and profiler no longer make Python storage objects for gradients (monet_opt/storage.py)
 # 8: bitmask backwards through threshold_backward (3-4x faster on CPU; workspace 1/8 -> 5/32 of the grad)
@@ -85,6 +85,7 @@ CACHE_VERSION = 25  # 2: backward workspace net of memory the backward releases;
 # 23: "gemm_backward" also on strided 1x1 convolutions (ResNet downsamples)
 # 24: under the caller's autocast, measured without autocast's cache of weight casts (as the runtime)
 # 25: in-place batch-norm backwards in one C kernel on CPU float32 (ops/batch_norm_kernel.py)
+# 26: ... and the custom batch norms' forward (bitwise torch's)
 
 
 # -- device identity and cache -------------------------------------------------------
