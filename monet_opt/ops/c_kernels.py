@@ -6,8 +6,9 @@ loads it; nothing is compiled at import, and a file another process is writing i
 half-written (atomic rename). It raises RuntimeError (no compiler, a failed compile) or OSError;
 callers fall back to torch ops. `Kernel` wraps that for a module: compiled once per process on
 first `get()`, None (and `error` saying why) where it cannot be, off by an environment switch.
-`run(fn, jobs)` calls fn(*job) for each job on a small thread pool
-(ctypes releases the GIL during the calls), one job per torch intra-op thread.
+Kernels split their work over OpenMP threads themselves (`-fopenmp`: the library binds to the
+libgomp torch has loaded, so it shares torch's thread team rather than competing with it; a
+Python thread pool did not scale while torch's workers spin).
 """
 
 from __future__ import annotations
@@ -20,13 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import torch
-
-_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 
 
 def _cpu_key() -> str:
@@ -90,14 +85,3 @@ class Kernel:
                 else:
                     self._lib = lib
             return self._lib
-
-
-def run(fn, jobs: list[tuple]) -> list:
-    """[fn(*job) for job in jobs], the jobs on parallel threads when there are several."""
-    global _pool
-    if len(jobs) == 1:
-        return [fn(*jobs[0])]
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(2, torch.get_num_threads()))
-    return list(_pool.map(lambda job: fn(*job), jobs))

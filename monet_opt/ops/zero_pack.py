@@ -7,14 +7,16 @@ bytes instead of 4n (fp32).
 
 On CPU, for 4-byte dtypes, a small C kernel does each direction in one pass (AVX-512
 compress-store / expand-load where the compiler targets them, else a branchless loop), split
-over torch's intra-op threads. It is compiled on first use with the system C compiler into
+over torch's intra-op threads by OpenMP (the libgomp team torch itself runs on). It is compiled on first use with the system C compiler into
 the cache directory (`$MONET_OPT_CACHE`, like the profiles) and loaded with ctypes; nothing is
 compiled at import. Without a compiler, on CUDA and for other dtypes, torch ops do the same
 job (same result, several times slower on CPU: the profiler times whichever runs, so the
 solver sees the real cost). `MONET_OPT_ZERO_PACK_KERNEL=0` switches the kernel off.
 
 Measured (AMD EPYC with AVX-512, one ReLU output of 8x256x56x56 fp32, 24.5 MiB, density 0.5,
-2 threads): pack 2.3 ms, unpack 1.4 ms; torch ops 89 ms and 35 ms.
+2 threads): pack 2.3 ms, unpack 1.4 ms; torch ops 89 ms and 35 ms. Intel Xeon (AVX-512), the same
+tensor, 2 threads, session 65 (`benchmarks/results/session65/zero_pack_micro.py`): pack 1.44 ms,
+unpack 0.78 ms by OpenMP, against 1.8 and 0.98 ms by the Python thread pool it replaced.
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ void zp_expand(const uint8_t *bits, const uint32_t *vals, int64_t n, uint32_t *x
         k += nz;
     }
 }
+
+/* The same over chunks, on OpenMP threads (the libgomp team torch uses): chunk c covers elements
+   [lo[c], hi[c]) (lo a multiple of 16), its values start at word at[c]. */
+void zp_mask_chunks(const uint32_t *x, const int64_t *lo, const int64_t *hi, int64_t nchunk,
+                    uint8_t *bits, int64_t *counts) {
+#pragma omp parallel for num_threads(nchunk) schedule(static, 1)
+    for (int64_t c = 0; c < nchunk; c++)
+        counts[c] = zp_mask(x + lo[c], hi[c] - lo[c], bits + lo[c] / 8);
+}
+
+void zp_compress_chunks(const uint32_t *x, const int64_t *lo, const int64_t *hi, int64_t nchunk,
+                        const uint8_t *bits, uint32_t *vals, const int64_t *at, const int64_t *counts) {
+#pragma omp parallel for num_threads(nchunk) schedule(static, 1)
+    for (int64_t c = 0; c < nchunk; c++)
+        zp_compress(x + lo[c], hi[c] - lo[c], bits + lo[c] / 8, vals + at[c], counts[c]);
+}
+
+void zp_expand_chunks(const uint8_t *bits, const uint32_t *vals, const int64_t *lo, const int64_t *hi,
+                      const int64_t *at, int64_t nchunk, uint32_t *x) {
+#pragma omp parallel for num_threads(nchunk) schedule(static, 1)
+    for (int64_t c = 0; c < nchunk; c++)
+        zp_expand(bits + lo[c] / 8, vals + at[c], hi[c] - lo[c], x + lo[c]);
+}
 """
 
 # Chunks start on multiples of this many elements (a whole 16-bit mask word).
@@ -105,21 +130,18 @@ _MIN_PARALLEL = 1 << 16
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.zp_mask.restype = ctypes.c_int64
-    lib.zp_mask.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.zp_compress.restype = None
-    lib.zp_compress.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-    ]
-    lib.zp_expand.restype = None
-    lib.zp_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    lib.zp_mask_chunks.restype = None
+    lib.zp_mask_chunks.argtypes = [p, p, p, n, p, p]
+    lib.zp_compress_chunks.restype = None
+    lib.zp_compress_chunks.argtypes = [p, p, p, n, p, p, p, p]
+    lib.zp_expand_chunks.restype = None
+    lib.zp_expand_chunks.argtypes = [p, p, p, p, p, n, p]
 
 
-_KERNEL = c_kernels.Kernel("zero_pack", _C_SOURCE, _declare, "MONET_OPT_ZERO_PACK_KERNEL")
+_KERNEL = c_kernels.Kernel(
+    "zero_pack", _C_SOURCE, _declare, "MONET_OPT_ZERO_PACK_KERNEL", flags=("-fopenmp",)
+)
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -177,22 +199,28 @@ def pack(x: torch.Tensor) -> Packed:
     return _pack_torch(x)
 
 
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
 def _pack_kernel(x: torch.Tensor) -> Packed:
     lib = kernel()
     n = x.numel()
-    words = x.view(-1)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
-    xp, bp = words.data_ptr(), bits.data_ptr()
     chunks = _chunks(n)
-    counts = c_kernels.run(lambda a, b: lib.zp_mask(xp + 4 * a, b - a, bp + a // 8), chunks)
+    lo, hi = _int64s([a for a, _ in chunks]), _int64s([b for _, b in chunks])
+    counts = _int64s([0] * len(chunks))
+    xp = x.view(-1).data_ptr()
+    lib.zp_mask_chunks(xp, lo, hi, len(chunks), bits.data_ptr(), counts)
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
     values = torch.empty(int(sum(counts)), dtype=x.dtype)
-    vp, offsets, k = values.data_ptr(), [], 0
-    for (a, b), c in zip(chunks, counts):
-        offsets.append((a, b, k))
-        k += c
-    jobs = [(a, b, k, c) for (a, b, k), c in zip(offsets, counts)]
-    c_kernels.run(lambda a, b, k, c: lib.zp_compress(xp + 4 * a, b - a, bp + a // 8, vp + 4 * k, c), jobs)
-    return Packed(bits, values, x.shape, x.dtype, tuple(offsets))
+    lib.zp_compress_chunks(
+        xp, lo, hi, len(chunks), bits.data_ptr(), values.data_ptr(), _int64s(starts), counts
+    )
+    offsets = tuple((a, b, k) for (a, b), k in zip(chunks, starts))
+    return Packed(bits, values, x.shape, x.dtype, offsets)
 
 
 def _nonzero_mask(x: torch.Tensor) -> torch.Tensor:
@@ -212,9 +240,9 @@ def unpack(p: Packed) -> torch.Tensor:
     lib = kernel() if p.offsets and p.bits.device.type == "cpu" else None
     if lib is not None:
         out = torch.empty(p.shape, dtype=p.dtype)
-        op, bp, vp = out.data_ptr(), p.bits.data_ptr(), p.values.data_ptr()
-        c_kernels.run(
-            lambda a, b, k: lib.zp_expand(bp + a // 8, vp + 4 * k, b - a, op + 4 * a), list(p.offsets)
+        lo, hi, at = (_int64s(column) for column in zip(*p.offsets))
+        lib.zp_expand_chunks(
+            p.bits.data_ptr(), p.values.data_ptr(), lo, hi, at, len(p.offsets), out.data_ptr()
         )
         return out
     n = math.prod(p.shape)
