@@ -18,13 +18,20 @@ MiB = 2**20
 
 def _gap_scope(schedule) -> str:
     """' within recompute window 6 nodes' when the proven gap is that of a restricted MILP, and
-    the same plan's gap within the widest window whose MILP ran, if wider."""
+    the same plan's gap within the widest window whose MILP ran, if wider, and over the MILP that
+    holds the plan itself, if the plan departs from the window's rule and that gap is wider."""
     scope = schedule.meta.get("milp_gap_scope")
     text = f" within {scope}" if scope and "unbounded" not in scope else ""
     widest = schedule.meta.get("milp_gap_widest")
     if text and widest:
         window = "unbounded" if widest["window"] is None else f"{widest['window']} nodes"
         text += f"; {widest['gap']:.2%} within recompute window {window}"
+    if text and "milp_gap_plan_milp" in schedule.meta:
+        # the plan departs from the window's rule: the gap above bounds the window's own schedules
+        own = schedule.meta["milp_gap_plan_milp"]
+        text += "; over the MILP that holds the plan itself " + (
+            "none proven" if own is None else f"{own['gap']:.2%}"
+        )
     return text
 
 

@@ -250,7 +250,8 @@ class BoundRun:
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._pending = None  # the best offered plan's vector HiGHS has not taken yet
-        self.best = form.objective(warm)  # the best objective offered (or the warm start's)
+        # the best objective offered (or the warm start's; none: HiGHS finds its own incumbent)
+        self.best = form.objective(warm) if warm is not None else float("inf")
         self._out: dict = {}
         self.started = not after  # HiGHS has started (not while it waits for `after`)
 
@@ -271,7 +272,7 @@ class BoundRun:
                     warm=warm,
                     verbose=verbose,
                     cancel=self._cancel,
-                    incumbent=lambda: self.best,
+                    incumbent=lambda: self.best if self.best < float("inf") else None,
                     options=BOUND_OPTIONS,
                     supply=self._take,
                 )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from solver import local_search
-from solver.formulation import Formulation, MilpResult
+from solver.formulation import Formulation, MilpResult, own_cells
 from solver.gather import gather_backwards
 from solver.plan import Plan
 from solver.progress import log, mib, start_clock
@@ -331,6 +331,13 @@ def _solve(
         # the same plan's gap over the widest window whose bound holds for it (a looser bound
         # over more schedules): "0.26 % within window 6, 0.35 % within window 24"
         meta["milp_gap_widest"] = {"window": lad.widest[0], "gap": float(lad.widest[1])}
+    if lad.proven is not None and (lad.own[1] > gap + 1e-12 if lad.own else gap > 0):
+        # the gap proven over schedules that include the plan itself, where the plan departs from
+        # the window's rule and the headline gap bounds only the window's own schedules (None: no
+        # bound over a MILP holding the plan)
+        meta["milp_gap_plan_milp"] = (
+            None if lad.own is None else {"window": lad.own[0], "gap": float(lad.own[1])}
+        )
     sched = dataclasses.replace(sched, solver=info, meta={**sched.meta, **meta})
     if base is not None and base.predicted_time_s < sched.predicted_time_s - 1e-12:
         return fallback("a baseline is faster", gap=gap)
@@ -536,6 +543,9 @@ class _LadderResult:
     attempts: list[dict]
     proven: tuple | None = None  # (window, gap, status) of the tightest bound on the best plan
     widest: tuple | None = None  # (window, gap) of the bound over the most schedules on the best plan
+    # (window, gap) over a MILP holding the best plan itself (built around it where it departs from
+    # the window's rule), when that is all `proven` says less than
+    own: tuple | None = None
 
     def scope(self) -> str:
         w = self.last[0]
@@ -612,6 +622,7 @@ def _ladder(
         holds. None where none holds."""
         proven = widest = None
         holding: list[tuple] = []  # (window, gap) of every run whose bound holds for the best plan
+        own = None  # (window, gap): the tightest over a MILP that holds the plan itself
         if at_floor():
             proven = (None, 0.0, "optimal")  # the trivial bound holds for every schedule
         elif best is not None:
@@ -625,6 +636,8 @@ def _ladder(
                 gap = max(0.0, (obj - res.dual_bound) / obj) if obj > 0 else 0.0
                 if proven is None or gap < proven[1]:
                     proven = (w, gap, status)
+                if own is None or gap < own[1]:
+                    own = (w, gap)
                 holding.append((w, gap))
             for w in {w for w, *_ in runs}:
                 # every MILP of window w (built around any plan: columns of its own only add
@@ -646,39 +659,18 @@ def _ladder(
             # a wider window's bound holds over more schedules: the gap it proves says more (the
             # smallest one, of that window's runs)
             widest = max(holding, key=lambda wg: (float("inf") if wg[0] is None else wg[0], -wg[1]))
-        return proven, widest
+        return proven, widest, own
 
     started = None  # (when the previous window's iteration started, its window)
     # HiGHS' run for the bound from the first window's start on, beside RINS (a
-    # `local_search.BoundRun` on the MILP around the fastest start); polishing goes on beside it if
-    # RINS ends in that MILP, else it is stopped (its bound kept) and HiGHS runs on RINS' MILP
+    # `local_search.BoundRun` on the window's own MILP, without columns of any start: its bound
+    # holds for every schedule of the window, and it is the smallest of the window's MILPs);
+    # polishing goes on beside it after RINS while it runs (ResNet-50 b8 224, kept gradients, 1/3,
+    # session 65: 1.2005 s after 16 s on that MILP, one thread, against 1.1849 after 55 s on the MILP
+    # around the plan, 1.2022 s, that the solve ended with)
     early = None
     early_window = None
     retired: list = []  # early runs stopped and not waited for (`close_early` keeps their results)
-
-    def move_early(to: Formulation, plan: Plan) -> None:
-        """RINS goes on from another start's plan, in that start's MILP: the early bound run
-        moves to the MILP built around that plan (a HiGHS run from scratch), unless its own
-        MILP holds the plan."""
-        nonlocal early
-        if early is None or deadline - time.perf_counter() < EARLY_MIN_S / 2:
-            return
-        if early.form.point_of(plan, to.objective(to.plan_to_vector(plan))) is not None:
-            return
-        # the old run is not waited for: HiGHS may take seconds to notice the cancel (ResNet-50
-        # b8 224, kept gradients, 1/3: 9.3 s in its root, session 54), which RINS goes on in; the
-        # new run starts when the old one has ended, and the old one's result is kept then
-        old = early
-        stop_early()
-        # (the MILP built around the plan, if smaller: its bound comes sooner, as after RINS)
-        to = _around(an, budget_bytes, early_window, to, plan, backend)
-        early = local_search.BoundRun(
-            to, to.plan_to_vector(plan), deadline, mip_gap, 1, verbose, after=[old.done]
-        )
-        log(
-            verbose,
-            f"HiGHS' bound run moves to the MILP around the plan RINS goes on from ({to.n_cols} columns)",
-        )
 
     def stop_early() -> None:
         """Stop the early bound run (if any) without waiting for it; `close_early` keeps its result."""
@@ -763,7 +755,13 @@ def _ladder(
             others = [] if started_rins else [c for c in candidates if c is not warm_plan]
             if not started_rins and form.backend == "highs" and threads >= 2 and deadline - now > EARLY_MIN_S:
                 # (one thread: RINS keeps the other core)
-                early = local_search.BoundRun(form, warm, deadline, mip_gap, 1, verbose)
+                own = form
+                if own_cells(an, w, warm_plan) != own_cells(an, w, None):
+                    own = Formulation(an, budget_bytes, window=w, backend=backend)
+                own_warm = own.plan_to_vector(warm_plan)
+                if own.violations(own_warm):
+                    own_warm = None  # (HiGHS finds its own incumbent)
+                early = local_search.BoundRun(own, own_warm, deadline, mip_gap, 1, verbose)
                 early_window = w
                 log(verbose, f"HiGHS runs for the bound from now on (window {w}), beside RINS")
             started_rins = True
@@ -780,7 +778,6 @@ def _ladder(
                     verbose,
                     lambda plan, obj: accept(plan, obj, len(results)),
                     solved,
-                    on_winner=move_early,
                 )
             except BaseException:
                 if early is not None:
@@ -825,10 +822,11 @@ def _ladder(
         run = None  # the early run, if polishing goes on beside it
         if early is not None and beside and early.form is form:
             # RINS ended in the early run's MILP (a run that already ended returns at once,
-            # polishing nothing). Not where RINS' plan is a plan of the early run's MILP but a
-            # smaller MILP was built around it: a new run there bounds sooner (ResNet-50 b8 224
-            # at 0.5: 0.8151, the plan proven within 1 %, in 6.7 s on two threads; the early run,
-            # going on, stayed at 0.8140 for 48 s), and the early run's bound still counts
+            # polishing nothing). Otherwise the early run is stopped (its bound kept: it holds for
+            # the window's schedules) and HiGHS runs in RINS' MILP, from its plan, polishing beside
+            # it: session 65, keeping the early run on the window's own MILP to the deadline with
+            # polishing beside it proved more (ResNet-50 b8 224 kept 1/3: 0.9 % against 1.9 %) but
+            # ended on worse plans (1.2133 s against 1.2022; kept 0.4 1.1678 against 1.1570)
             run, early = early, None
             log(verbose, "RINS ended in the early run's MILP: polishing goes on beside that run")
         if beside:
@@ -928,8 +926,8 @@ def _ladder(
                 {"after_polishing": True},
                 f"{_BACKEND_NAMES[backend]} again after polishing",
             )
-    proven, widest = proven_gap()
-    return _LadderResult(best[:3] if best else None, last, attempts, proven, widest)
+    proven, widest, own = proven_gap()
+    return _LadderResult(best[:3] if best else None, last, attempts, proven, widest, own)
 
 
 def _lp_proves(relaxations: list, form: Formulation, warm, mip_gap: float) -> bool:

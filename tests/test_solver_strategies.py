@@ -1130,6 +1130,24 @@ def test_the_gap_is_also_reported_within_the_widest_window_that_ran():
     assert f"window {narrow} nodes" in text and f"{widest['gap']:.2%} within recompute window" in text
 
 
+def test_a_gap_over_the_window_alone_names_the_plans_own_gap():
+    """Where the headline gap bounds only the window's own schedules (the plan departs from the
+    window's rule and a MILP holding it proved less), the command line's summary names both."""
+    import dataclasses
+
+    from monet_opt.cli import _gap_scope
+
+    p = chain(12, seed=1)
+    s = solve(p, int(0.6 * B.no_recompute(p).predicted_peak_bytes), time_limit=15, verbose=False)
+    assert "milp_gap_plan_milp" not in s.meta or s.meta["milp_gap_plan_milp"]["gap"] > s.solver.gap
+    meta = {**s.meta, "milp_gap_plan_milp": {"window": s.meta["milp_window"], "gap": 0.052}}
+    assert "over the MILP that holds the plan itself 5.20%" in _gap_scope(dataclasses.replace(s, meta=meta))
+    meta["milp_gap_plan_milp"] = None
+    assert "over the MILP that holds the plan itself none proven" in _gap_scope(
+        dataclasses.replace(s, meta=meta)
+    )
+
+
 def test_a_budget_only_the_lowest_peak_baseline_fits_gets_a_schedule(monkeypatch):
     """When the budget-driven baselines find nothing that fits but the budget-free baseline with
     the smallest peak does (a CI run: the timm ViT test's budget was 272 bytes above it, and a
