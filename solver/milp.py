@@ -824,9 +824,10 @@ def _ladder(
             # RINS ended in the early run's MILP (a run that already ended returns at once,
             # polishing nothing). Otherwise the early run is stopped (its bound kept: it holds for
             # the window's schedules) and HiGHS runs in RINS' MILP, from its plan, polishing beside
-            # it: session 65, keeping the early run on the window's own MILP to the deadline with
-            # polishing beside it proved more (ResNet-50 b8 224 kept 1/3: 0.9 % against 1.9 %) but
-            # ended on worse plans (1.2133 s against 1.2022; kept 0.4 1.1678 against 1.1570)
+            # it. (Session 65: keeping the early run to the deadline instead, polishing beside it
+            # and HiGHS in RINS' MILP only once it ended, proved about as much but ended on a worse
+            # plan at ResNet-50 b8 224 kept 1/3, 1.2133 s against 1.2066 the same morning; 0.4
+            # 1.1678 against 1.1686)
             run, early = early, None
             log(verbose, "RINS ended in the early run's MILP: polishing goes on beside that run")
         if beside:

@@ -50,8 +50,8 @@ def test_each_scenario_changes_only_what_it_names(what_if):
 
 
 def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path):
-    """On a small chain every solve is proven optimal: a scenario (costs only lowered) is never
-    predicted slower than the problem as it is; the script writes one row per scenario."""
+    """On a small chain a scenario (costs only lowered) proven optimal is never predicted slower
+    than the problem as it is; the script writes one row per scenario."""
     problem = synthetic.chain(10)
     path = tmp_path / "chain.json"
     problem.to_json(path)
@@ -62,8 +62,14 @@ def test_cheaper_costs_never_solve_slower_where_proven_optimal(what_if, tmp_path
         rows.append(
             what_if["solve_row"](name, what_if["SCENARIOS"][name](problem), budget, 20.0, mip_gap=1e-9)
         )
-    assert all(r["status"] == "optimal" for r in rows), rows
-    assert all(r["time_s"] <= rows[0]["time_s"] * (1 + 1e-9) and r["peak"] <= budget for r in rows)
+    # (HiGHS may call a warm-started run "optimal" on a plan a later run beats: session 65's
+    # fwd_workspace_free row, 0.027678 s "optimal" where the window's MILP solved alone reaches
+    # 0.027044; the solve then reports the better plan with its real, unproven gap)
+    assert rows[0]["status"] == "optimal", rows[0]
+    proven = [r for r in rows[1:] if r["status"] == "optimal"]
+    assert proven, rows
+    assert all(r["peak"] <= budget for r in rows)
+    assert all(r["time_s"] <= rows[0]["time_s"] * (1 + 1e-9) for r in proven)
     assert any(r["time_s"] < rows[0]["time_s"] * (1 - 1e-6) for r in rows[1:])  # (one of them buys something)
 
     both = "fwd_workspace_free+bwd_workspace_free"
