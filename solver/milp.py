@@ -314,7 +314,7 @@ def _solve(
         bound = Formulation.trivial_bound(an)
         gap = max(0.0, (obj - bound) / obj) if obj and obj > 0 else 0.0
         status = "time_limit"
-    if status == "time_limit" and gap <= mip_gap:
+    if status in ("time_limit", "unproven") and gap <= mip_gap:
         # proven within the gap asked for (by a bound from another run, an LP relaxation, or the
         # trivial bound): optimal in HiGHS' sense (a sweep's CSV said "time_limit, gap 0.0")
         status = "optimal"
