@@ -138,3 +138,24 @@ def test_a_solve_called_optimal_is_its_windows_optimum():
     cold = Formulation(B.analysis(p), budget, window=s.meta["milp_window"]).solve_highs(20, mip_gap=1e-9)
     assert cold.status == "optimal"
     assert s.predicted_time_s <= cold.objective * (1 + 1e-9), (s.predicted_time_s, cold.objective)
+
+
+def test_a_run_without_a_plan_keeps_its_bound():
+    """A HiGHS run stopped before it found a plan (ResNet-50 b8 224 at 0.33: the early run's 52 s
+    all in its root node) still bounds its MILP: its dual bound stands in the result, never below
+    the trivial bound, and the run is "no_solution"."""
+    from solver.milp import resolve_budget
+
+    p = chain(8)
+    form = Formulation(B.analysis(p), resolve_budget(p, 0.5))
+    scaled = form.scaled_model()[0]
+    trivial = form.trivial_time_bound()
+    r = form.result("time_limit", scaled, None, 1.5 * trivial * scaled.cost_factor, 1.0)
+    assert r.status == "no_solution" and r.plan is None
+    assert r.dual_bound == pytest.approx(1.5 * trivial)
+    low = form.result("time_limit", scaled, None, 0.5 * trivial * scaled.cost_factor, 1.0)
+    assert low.dual_bound == pytest.approx(trivial)
+    none = form.result("time_limit", scaled, None, float("-inf"), 1.0)
+    assert none.dual_bound is None
+    infeasible = form.result("infeasible", scaled, None, float("inf"), 1.0)
+    assert infeasible.status == "infeasible" and infeasible.dual_bound is None
