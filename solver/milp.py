@@ -680,6 +680,28 @@ def _ladder(
             retired.append(early)
             early = None
 
+    stopped_proven = [False]  # a window's HiGHS run stopped by `proven_now`: as if it ended optimal
+
+    def harvest_early() -> None:
+        """Keep the results of the stopped early runs that have ended (their bounds hold)."""
+        for run in [r for r in retired if r.done.is_set()]:
+            retired.remove(run)
+            res = run.result()
+            if res.status != "not_started":
+                record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
+
+    def proven_now() -> bool:
+        """Whether the best plan is proven within mip_gap by the runs that have ended (in the
+        scope `proven_gap` gives: a window's own schedules at least)."""
+        harvest_early()
+        proven = proven_gap()[0]
+        if proven is None or proven[1] > mip_gap:
+            return False
+        scope = "every schedule" if proven[0] is None else f"window {proven[0]}'s schedules"
+        log(verbose, f"the plan ({best[1]:.4f}) proven within {proven[1]:.2%} of {scope}: polishing stops")
+        stopped_proven[0] = True
+        return True
+
     def close_early() -> None:
         """Stop the early bound run (if any) and keep its result as a run of its MILP, and those
         of the runs it moved from."""
@@ -857,6 +879,7 @@ def _ladder(
                 accept_polished,
                 run=run,
                 after=ending,
+                proven=proven_now,
             )
             if best_form is form:
                 warm_plan = best[2]  # (the next window starts from the polished plan)
@@ -888,8 +911,9 @@ def _ladder(
             warm_plan = res.plan
         if at_floor():
             break  # no wider window can do better
-        if res.status not in ("optimal", "infeasible"):
+        if res.status not in ("optimal", "infeasible") and not stopped_proven[0]:
             break  # out of time (or HiGHS gave up): a wider window would not get further
+        stopped_proven[0] = False
     close_early()
     found_by = results[best_index][1].status if best is not None and best_index < len(results) else None
     # a plan already proven within the gap asked for is not polished (HiGHS would have stopped

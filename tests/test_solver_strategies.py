@@ -848,6 +848,44 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     assert res.dual_bound <= times[-1] * (1 + 1e-9)
 
 
+def test_polishing_beside_highs_stops_once_a_bound_from_elsewhere_proves_the_plan(monkeypatch):
+    """Once `proven()` says the best plan is proven within the gap (by HiGHS' early run on the
+    window's own MILP, in `solve`), polishing starts no further band and HiGHS' run beside it is
+    stopped: the pair returns long before the deadline, on a MILP HiGHS does not prove in that
+    time. (ResNet-50 b8 224 kept 0.33, 180 s: polishing had gone on to the deadline with its plan
+    proven within 0.8 % since 128 s.)"""
+    import time
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
+    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
+    band_starts, asked = [], []
+    real = Formulation.solve_highs
+
+    def timed(self, *args, **kwargs):
+        if kwargs.get("fixed"):  # a polishing band
+            band_starts.append(time.perf_counter())
+            time.sleep(0.3)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Formulation, "solve_highs", timed)
+
+    def proven() -> bool:
+        asked.append(time.perf_counter())
+        return len(asked) >= 3  # "proven" from elsewhere after two bands
+
+    t0 = time.perf_counter()
+    res = local_search.highs_beside_polish(
+        form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-6, 2, False, accept, proven=proven
+    )
+    took = time.perf_counter() - t0
+    assert res.status != "optimal", "HiGHS proved the MILP itself: the test shows nothing"
+    assert took < 20.0, f"the pair went on {took:.0f} s: HiGHS was not stopped"
+    assert len(asked) == 3, "proven() asked again after it said so"
+    assert band_starts, "no polishing beside HiGHS"
+    assert all(t <= asked[-1] + 0.1 for t in band_starts), "a band started after the plan was proven"
+
+
 def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch):
     """`BoundRun`: HiGHS, run for its bound from a slow plan, takes a faster plan found elsewhere
     as its incumbent when it next asks for one: stopped right after it took it (no heuristics,
