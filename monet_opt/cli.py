@@ -248,6 +248,7 @@ def cmd_solve(args) -> int:
                 optimizer=getattr(args, "step_in_backward", None),
                 refine=args.refine,
                 milp_solver=args.milp_solver,
+                reuse=not args.fresh,
             )
     except InfeasibleBudget as exc:
         # the user may think in fractions of plain PyTorch's peak: say the smallest one as well
@@ -469,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="rounds of: run the schedule, correct the costs by what its nodes took there, solve again "
         "(each round one --time-limit; --problem-out then holds the last corrected problem)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="solve from scratch: do not start from the schedules earlier solves of this model, input "
+        "shape and device kept (by default a solve goes on from the fastest one that fits the budget)",
     )
     _milp_solver_arg(p)
     p.set_defaults(func=cmd_solve)

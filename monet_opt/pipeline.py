@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 import solver
-from monet_opt import lowest_found
+from monet_opt import fastest_found, lowest_found
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.profile import build_problem
 from solver.baselines import plan_of
@@ -88,6 +88,7 @@ def solve_model(
     grad_outputs: str = "auto",
     outputs_held: str = "all",
     defer_weight_grads: bool = False,
+    reuse: bool = True,
 ) -> tuple[Problem, Schedule]:
     """Profile `model` on this device (cached) and solve for `budget`. example_inputs: a tensor,
     a tuple of them, or a dict by keyword (`{'input_ids': ids, 'labels': ids, 'use_cache': False}`
@@ -103,7 +104,10 @@ def solve_model(
     outputs_held: "loss" for a loop that drops the outputs the loss does not read before the
     backward (Hugging Face's Trainer; see `build_problem`).
     defer_weight_grads: with gradients kept, make heavy weight gradients after the backward (see
-    `build_problem`)."""
+    `build_problem`).
+    reuse: start from the fastest schedule an earlier solve of this problem found that fits the
+    budget (`monet_opt.fastest_found`; else the lowest-peak one, `monet_opt.lowest_found`), so
+    solving again goes on from it; False solves from scratch. What is found is kept either way."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     budget = parse_budget(budget)  # so does a bad budget
     # (inputs by keyword, {'input_ids': ids, 'labels': ids, 'use_cache': False}: the model is
@@ -123,7 +127,23 @@ def solve_model(
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)
-    start = lowest_found.recall_plan(problem)
+    start = lowest_found.recall_plan(problem) if reuse else None
+    started_from = None
+    resume = False  # the kept schedule was solved for this very budget: the solve goes on from it
+    if reuse and budget != "min":
+        budget_bytes = solver.milp.resolve_budget(problem, budget)
+        fast = fastest_found.recall_plan(problem, budget_bytes)
+        if fast is not None:
+            start, found = fast
+            resume = found.schedule.budget_bytes == budget_bytes
+            started_from = {"time_s": found.time_s, "peak_bytes": found.peak_bytes, "resumed": resume}
+            if verbose:
+                print(
+                    f"starting from the fastest schedule an earlier solve of this problem found within the "
+                    f"budget: {found.time_s * 1e3:.1f} ms per step, peak {found.peak_bytes / 2**20:.1f} MiB "
+                    "(--fresh: solve from scratch)",
+                    flush=True,
+                )
     try:
         if budget == "min":
             schedule = solver.minimum_peak(
@@ -132,7 +152,18 @@ def solve_model(
             lowest_found.remember(problem, schedule)
         else:
             schedule = solver.solve(
-                problem, budget, time_limit=time_limit, verbose=verbose, solver=milp_solver, start_plan=start
+                problem,
+                budget,
+                time_limit=time_limit,
+                verbose=verbose,
+                solver=milp_solver,
+                start_plan=start,
+                resume=resume,
+            )
+        fastest_found.remember(problem, schedule)
+        if started_from is not None:
+            schedule = dataclasses.replace(
+                schedule, meta={**schedule.meta, "started_from_kept": started_from}
             )
     except solver.InfeasibleBudget as exc:
         if exc.lowest is not None:
@@ -211,6 +242,8 @@ def sweep_model(
         found = getattr(result, "lowest", None) if isinstance(result, Exception) else result
         if found is not None:
             lowest_found.remember(problem, found)
+        if not isinstance(result, Exception):
+            fastest_found.remember(problem, result)  # (a later `solve` starts from it)
     return [r if isinstance(r, Exception) else _with_problem_meta(problem, r) for r in out]
 
 

@@ -273,3 +273,21 @@ def test_inspect_says_how_many_backward_steps_were_gathered(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"backward steps gathered into {info['blocks']} blocks ({info['moved_steps']} moved earlier" in out
+
+
+def test_solving_again_starts_from_the_kept_schedule_unless_fresh(tmp_path, capsys):
+    """A second `solve` of the same model, shape and budget goes on from the fastest schedule
+    found before (`monet_opt.fastest_found`): it says so, and is no slower; `--fresh` does not."""
+    first, again, fresh = tmp_path / "first.json", tmp_path / "again.json", tmp_path / "fresh.json"
+    # (resnet18 b2 32's peak is mostly its weight gradients: no budget under 0.99 fits)
+    model = ["resnet18", "--batch", "8", "--image", "64", "--time-limit", "5", "--step-in-backward", "adam"]
+    assert main(["solve", *model, "--budget", "0.75", "-o", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["solve", *model, "--budget", "0.75", "-o", str(again)]) == 0
+    assert "starting from the fastest schedule an earlier solve" in capsys.readouterr().out
+    a, b = Schedule.from_json(first), Schedule.from_json(again)
+    assert b.meta["started_from_kept"]["time_s"] <= a.predicted_time_s * (1 + 1e-12)
+    assert b.predicted_time_s <= a.predicted_time_s * (1 + 1e-12)
+    assert main(["solve", *model, "--budget", "0.75", "--fresh", "-o", str(fresh)]) == 0
+    assert "starting from the fastest" not in capsys.readouterr().out
+    assert "started_from_kept" not in Schedule.from_json(fresh).meta

@@ -713,6 +713,35 @@ def test_solve_is_never_slower_than_its_start_plan():
     assert again.predicted_time_s <= first.predicted_time_s + 1e-12
 
 
+def test_resuming_an_earlier_solve_polishes_it_beside_the_bound_run(monkeypatch, capfd):
+    """`solve(..., resume=True)` from an earlier solve's plan: no RINS (it ran there), the plan is
+    polished beside HiGHS' bound run; the result fits, is no slower than the start, and its gap
+    is proven by a run (not only the trivial bound)."""
+    from solver.milp import _solve
+
+    p = PROBLEMS["resnet_bneck60"]
+    budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
+    first, plan = _solve(p, budget, time_limit=4, verbose=False)
+    assert plan is not None and first.strategy == "milp"
+
+    def no_rins(*args, **kwargs):
+        raise AssertionError("RINS ran on a resumed solve")
+
+    monkeypatch.setattr(local_search, "rins_from_starts", no_rins)
+    polished = []
+    real = local_search.polish
+    monkeypatch.setattr(local_search, "polish", lambda *a, **k: polished.append(1) or real(*a, **k))
+    capfd.readouterr()
+    again = solve(p, budget, time_limit=14, verbose=True, start_plan=plan, resume=True)  # (EARLY_MIN_S)
+    err = capfd.readouterr().err
+    assert "resuming from an earlier solve's plan" in err and "beside HiGHS' early run" in err, err
+    assert polished, "nothing polished"
+    _check(p, again, budget)
+    assert again.predicted_time_s <= first.predicted_time_s * (1 + 1e-12)
+    runs = [a for a in again.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
+    assert runs and any(a["bound"] is not None for a in runs), again.meta["milp_attempts"]
+
+
 def test_a_warm_start_the_rows_reject_gives_way_to_the_next_baseline(monkeypatch):
     """The MILP's rows bound the simulator from above, so the fastest fitting baseline can break
     a row (ResNet-50 b8 224 at 0.5: greedy broke 2 rows and the MILP, started cold, ended slower
