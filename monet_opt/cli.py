@@ -261,6 +261,11 @@ def cmd_solve(args) -> int:
     if args.problem_out and args.refine:
         problem.to_json(args.problem_out)  # the corrected costs the schedule was solved on
     print(_summary(problem, schedule))
+    if schedule.strategy == "milp" and schedule.solver.status != "optimal":
+        print(
+            "not proven within 1 % in the time limit: run the same command again to go on from this "
+            "schedule (kept beside the profile cache), or give a longer --time-limit"
+        )
     if args.output:
         schedule.to_json(args.output)
         print(f"wrote {args.output}")

@@ -282,7 +282,10 @@ def test_solving_again_starts_from_the_kept_schedule_unless_fresh(tmp_path, caps
     # (resnet18 b2 32's peak is mostly its weight gradients: no budget under 0.99 fits)
     model = ["resnet18", "--batch", "8", "--image", "64", "--time-limit", "5", "--step-in-backward", "adam"]
     assert main(["solve", *model, "--budget", "0.75", "-o", str(first)]) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out
+    # (the hint to go on comes with a solve not proven within 1 %, and only then)
+    hint = "run the same command again to go on from this schedule" in out
+    assert hint == (Schedule.from_json(first).solver.status != "optimal"), out
     assert main(["solve", *model, "--budget", "0.75", "-o", str(again)]) == 0
     assert "starting from the fastest schedule an earlier solve" in capsys.readouterr().out
     a, b = Schedule.from_json(first), Schedule.from_json(again)
