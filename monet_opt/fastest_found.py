@@ -19,10 +19,10 @@ unreadable or foreign file is ignored (`MONET_OPT_CACHE` moves the cache; `monet
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from monet_opt.lowest_found import problem_digest
 from monet_opt.profile import cache_dir
 from solver.baselines import plan_of
 from solver.plan import Plan, PlanError
@@ -42,8 +42,7 @@ class Kept:
 
 
 def _dir(problem: Problem) -> Path:
-    digest = hashlib.sha256(problem.fingerprint.encode()).hexdigest()[:24]
-    return cache_dir() / "fastest" / digest
+    return cache_dir() / "fastest" / problem_digest(problem)
 
 
 def kept(problem: Problem) -> list[Kept]:

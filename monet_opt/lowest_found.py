@@ -24,9 +24,13 @@ from solver.schedule import Schedule, ScheduleError
 from solver.simulate import ScheduleInvalid, simulate
 
 
+def problem_digest(problem: Problem) -> str:
+    """A short file name for the problem's fingerprint (this module's and `fastest_found`'s)."""
+    return hashlib.sha256(problem.fingerprint.encode()).hexdigest()[:24]
+
+
 def _path(problem: Problem) -> Path:
-    digest = hashlib.sha256(problem.fingerprint.encode()).hexdigest()[:24]
-    return cache_dir() / "lowest" / f"{digest}.json"
+    return cache_dir() / "lowest" / f"{problem_digest(problem)}.json"
 
 
 def recall(problem: Problem) -> tuple[Schedule, int] | None:

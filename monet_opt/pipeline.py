@@ -127,7 +127,7 @@ def solve_model(
     )
     # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
     # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)
-    start = lowest_found.recall_plan(problem) if reuse else None
+    start = None
     started_from = None
     resume = False  # the kept schedule was solved for this very budget: the solve goes on from it
     if reuse and budget != "min":
@@ -144,6 +144,8 @@ def solve_model(
                     "(--fresh: solve from scratch)",
                     flush=True,
                 )
+    if reuse and start is None:
+        start = lowest_found.recall_plan(problem)
     try:
         if budget == "min":
             schedule = solver.minimum_peak(

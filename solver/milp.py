@@ -693,13 +693,19 @@ def _ladder(
 
     stopped_proven = [False]  # a window's HiGHS run stopped by `proven_now`: as if it ended optimal
 
+    def keep_retired(run) -> None:
+        """Take a stopped early run off `retired` and keep its result (waits for it to end)."""
+        retired.remove(run)
+        res = run.result()
+        if res.status != "not_started":
+            record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
+        else:
+            log(verbose, "HiGHS' moved bound run never started: the run it moved from was still ending")
+
     def harvest_early() -> None:
         """Keep the results of the stopped early runs that have ended (their bounds hold)."""
         for run in [r for r in retired if r.done.is_set()]:
-            retired.remove(run)
-            res = run.result()
-            if res.status != "not_started":
-                record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
+            keep_retired(run)
 
     def proven_now() -> bool:
         """Whether the best plan is proven within mip_gap by the runs that have ended (in the
@@ -718,12 +724,7 @@ def _ladder(
         of the runs it moved from."""
         stop_early()
         while retired:
-            run = retired.pop(0)
-            res = run.result()
-            if res.status != "not_started":
-                record(early_window, res, run.form, {"early": True}, "HiGHS' early run")
-            else:
-                log(verbose, "HiGHS' moved bound run never started: the run it moved from was still ending")
+            keep_retired(retired[0])
 
     def record(w, res: MilpResult, f: Formulation, flags: dict, what_run: str) -> None:
         """Keep a finished run of `f` (window `w`): its bound, its attempt, its plan if better."""
