@@ -15,14 +15,23 @@ unless a kept one is as fast at no higher peak, and it drops the kept ones it be
 schedule per front point in `<cache dir>/fastest/<problem digest>/`, each written atomically; an
 unreadable or foreign file is ignored (`MONET_OPT_CACHE` moves the cache; `monet-opt solve
 --fresh` solves without reading it).
+
+The front's smallest-peak point is the lowest-peak schedule found (`lowest`): a budget under every
+peak the solver finds is refused with the smallest one it found (`solver.InfeasibleBudget`, whose
+search's schedule is kept here too), and the user asks again with that figure. The search that
+found it stopped at a time limit, so a second search of the same length need not find it again (a
+fresh CI run once stopped 25 KB above it): the next solve of the problem starts from it when no
+kept schedule fits its budget faster, so the budget an error named is met, and 'min' starts from
+it, so the smallest peak only goes down. (Until session 68 that schedule had a store of its own,
+`<cache dir>/lowest/`, no longer read.)
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from monet_opt.lowest_found import problem_digest
 from monet_opt.profile import cache_dir
 from solver.baselines import plan_of
 from solver.plan import Plan, PlanError
@@ -39,6 +48,11 @@ class Kept:
     schedule: Schedule
     peak_bytes: int
     time_s: float
+
+
+def problem_digest(problem: Problem) -> str:
+    """A short folder name for the problem's fingerprint."""
+    return hashlib.sha256(problem.fingerprint.encode()).hexdigest()[:24]
 
 
 def _dir(problem: Problem) -> Path:
@@ -71,6 +85,20 @@ def recall(problem: Problem, budget_bytes: int) -> Kept | None:
 def recall_plan(problem: Problem, budget_bytes: int) -> tuple[Plan, Kept] | None:
     """`recall`'s schedule as the plan a solve starts from, with what was recalled."""
     found = recall(problem, budget_bytes)
+    return _with_plan(problem, found)
+
+
+def lowest(problem: Problem) -> Kept | None:
+    """The kept schedule with the smallest peak on this problem (None: none kept)."""
+    return min(kept(problem), key=lambda k: (k.peak_bytes, k.time_s), default=None)
+
+
+def lowest_plan(problem: Problem) -> tuple[Plan, Kept] | None:
+    """`lowest`'s schedule as the plan a solve starts from, with what was recalled."""
+    return _with_plan(problem, lowest(problem))
+
+
+def _with_plan(problem: Problem, found: Kept | None) -> tuple[Plan, Kept] | None:
     if found is None:
         return None
     try:

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 import solver
-from monet_opt import fastest_found, lowest_found
+from monet_opt import fastest_found
 from monet_opt.keyword_inputs import as_traceable
 from monet_opt.profile import build_problem
 from solver.baselines import plan_of
@@ -106,7 +106,7 @@ def solve_model(
     defer_weight_grads: with gradients kept, make heavy weight gradients after the backward (see
     `build_problem`).
     reuse: start from the fastest schedule an earlier solve of this problem found that fits the
-    budget (`monet_opt.fastest_found`; else the lowest-peak one, `monet_opt.lowest_found`), so
+    budget (`monet_opt.fastest_found`; else the lowest-peak one kept there), so
     solving again goes on from it; False solves from scratch. What is found is kept either way."""
     solver.milp.check_backend(milp_solver)  # before profiling: a missing Gurobi fails at once
     budget = parse_budget(budget)  # so does a bad budget
@@ -125,8 +125,9 @@ def solve_model(
         outputs_held=outputs_held,
         defer_weight_grads=defer_weight_grads,
     )
-    # the lowest-peak schedule an earlier solve of this problem found: a budget an error named
-    # is met from it, and 'min' never ends above it (`monet_opt.lowest_found`)
+    # the fastest schedule an earlier solve of this problem found within the budget; else the
+    # lowest-peak one: a budget an error named is met from it, and 'min' never ends above it
+    # (`monet_opt.fastest_found`)
     start = None
     started_from = None
     resume = False  # the kept schedule was solved for this very budget: the solve goes on from it
@@ -145,13 +146,13 @@ def solve_model(
                     flush=True,
                 )
     if reuse and start is None:
-        start = lowest_found.recall_plan(problem)
+        low = fastest_found.lowest_plan(problem)
+        start = low[0] if low is not None else None
     try:
         if budget == "min":
             schedule = solver.minimum_peak(
                 problem, time_limit=time_limit, verbose=verbose, solver=milp_solver, start_plan=start
             )
-            lowest_found.remember(problem, schedule)
         else:
             schedule = solver.solve(
                 problem,
@@ -169,7 +170,7 @@ def solve_model(
             )
     except solver.InfeasibleBudget as exc:
         if exc.lowest is not None:
-            lowest_found.remember(problem, exc.lowest)
+            fastest_found.remember(problem, exc.lowest)
         raise
     if refine:
         problem, schedule = refine_schedule(
@@ -221,7 +222,8 @@ def sweep_model(
     parsed = [parse_budget(b) for b in budgets]
     sized = [k for k, b in enumerate(parsed) if b != "min"]
     out: list = [None] * len(parsed)
-    start = lowest_found.recall_plan(problem)  # (as solve_model: `monet_opt.lowest_found`)
+    low = fastest_found.lowest_plan(problem)  # (as solve_model: `monet_opt.fastest_found`)
+    start = low[0] if low is not None else None
     found = solver.sweep(
         problem,
         [parsed[k] for k in sized],
@@ -240,12 +242,10 @@ def sweep_model(
                 )
             except ValueError as exc:
                 out[k] = exc
-    for result in out:  # (kept only if below the kept one's peak)
+    for result in out:  # (kept unless a kept one is as fast at no higher peak)
         found = getattr(result, "lowest", None) if isinstance(result, Exception) else result
         if found is not None:
-            lowest_found.remember(problem, found)
-        if not isinstance(result, Exception):
-            fastest_found.remember(problem, result)  # (a later `solve` starts from it)
+            fastest_found.remember(problem, found)  # (a later `solve` starts from it)
     return [r if isinstance(r, Exception) else _with_problem_meta(problem, r) for r in out]
 
 

@@ -469,7 +469,7 @@ def minimum_peak(
     rest minimises the step time at that peak. `meta["lower_bound_bytes"]` is
     `min_feasible_lower_bound`: no schedule peaks lower (the MILP's own dual bound
     is not one, since its memory rows over-approximate the simulator).
-    `start_plan`: a plan found before (`monet_opt.lowest_found`); the peak search starts from it
+    `start_plan`: a plan found before (`monet_opt.fastest_found`); the peak search starts from it
     if its peak is below the lowest baseline's, so the peak found is never above it."""
     from solver.baselines import analysis, min_known_peak, no_recompute
     from solver.bounds import min_feasible_lower_bound

@@ -172,7 +172,7 @@ def test_a_budget_under_the_smallest_peak_says_it_as_a_fraction_too(tmp_path, ca
     assert fraction * plain > bound + 2**10
     # the fraction it names works, with the same 5-s limit: another 5-s search need not find that
     # peak again (CI, 74dfd04: the peak MILP stopped 25 KB above it), but the schedule that had it
-    # is kept (monet_opt.lowest_found) and the solve starts from it
+    # is kept (monet_opt.fastest_found) and the solve starts from it
     assert main(["solve", *SMALL, "--budget", str(fraction)]) == 0
 
 
@@ -280,7 +280,7 @@ def test_solving_again_starts_from_the_kept_schedule_unless_fresh(tmp_path, caps
     found before (`monet_opt.fastest_found`): it says so, and is no slower; `--fresh` does not."""
     first, again, fresh = tmp_path / "first.json", tmp_path / "again.json", tmp_path / "fresh.json"
     # (resnet18 b2 32's peak is mostly its weight gradients: no budget under 0.99 fits)
-    model = ["resnet18", "--batch", "8", "--image", "64", "--time-limit", "5", "--step-in-backward", "adam"]
+    model = ["resnet18", "--batch", "8", "--image", "64", "--time-limit", "3", "--step-in-backward", "adam"]
     assert main(["solve", *model, "--budget", "0.75", "-o", str(first)]) == 0
     out = capsys.readouterr().out
     # (the hint to go on comes with a solve not proven within 1 %, and only then)

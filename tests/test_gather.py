@@ -71,7 +71,7 @@ def test_gathering_keeps_the_steps_time_and_peak(name, frac):
     an = B.analysis(problem)
     budget = int(frac * no_recompute(problem).predicted_peak_bytes)
     try:
-        solved = solve(problem, budget, time_limit=10, verbose=False, gather=False)
+        solved = solve(problem, budget, time_limit=4, verbose=False, gather=False)
     except InfeasibleBudget:  # (below this problem's minimum, or nothing found: the baseline alone)
         solved = None
     for schedule in [s for s in (solved, B.chen_sqrt(problem)) if s is not None]:
@@ -109,7 +109,7 @@ def test_gathering_moves_backward_steps_of_a_recomputing_schedule_together():
     assert len(moved_out) == info["moved_steps"]
     plain = no_recompute(problem)
     assert gather_backwards(problem, plain) is plain
-    solved = solve(problem, 0.6, time_limit=10, verbose=False, gather=True)
+    solved = solve(problem, 0.6, time_limit=4, verbose=False, gather=True)
     assert simulate(problem, solved).peak_bytes == solved.predicted_peak_bytes
 
 

@@ -1,11 +1,12 @@
-"""The lowest-peak schedule found per problem, kept between solves (monet_opt/lowest_found.py)."""
+"""The lowest-peak schedule found per problem, kept between solves: the smallest-peak point of
+`monet_opt.fastest_found`'s front."""
 
 from __future__ import annotations
 
 import pytest
 
 import solver
-from monet_opt import lowest_found
+from monet_opt import fastest_found
 from solver import baselines
 from solver.synthetic import chain
 
@@ -21,19 +22,21 @@ def test_keeps_the_lowest_peak_and_ignores_what_it_cannot_use(cache):
     low, high = baselines.lowest_peak_baseline(problem), baselines.no_recompute(problem)
     low_peak = solver.simulate(problem, low).peak_bytes
     assert low_peak < solver.simulate(problem, high).peak_bytes
-    assert lowest_found.recall(problem) is None
-    assert lowest_found.remember(problem, high)
-    assert lowest_found.remember(problem, low)
-    assert not lowest_found.remember(problem, high)  # not lower: the kept one stays
-    schedule, peak = lowest_found.recall(problem)
-    assert peak == low_peak and schedule.strategy == low.strategy
-    assert lowest_found.recall_plan(problem) is not None
+    assert fastest_found.lowest(problem) is None and fastest_found.lowest_plan(problem) is None
+    assert fastest_found.remember(problem, high)
+    assert fastest_found.lowest(problem).schedule.strategy == high.strategy
+    assert fastest_found.remember(problem, low)  # (lower peak: a point of the front)
+    assert not fastest_found.remember(problem, high)  # (the same point again: kept once)
+    found = fastest_found.lowest(problem)
+    assert found.peak_bytes == low_peak and found.schedule.strategy == low.strategy
+    assert fastest_found.lowest_plan(problem) is not None
     # another problem's file, or a corrupt one, is nobody's
     other = chain(25)
-    assert lowest_found.recall(other) is None
-    lowest_found._path(problem).write_text("{not json")
-    assert lowest_found.recall(problem) is None
-    assert lowest_found.remember(problem, high)  # (and is replaced by the next one found)
+    assert fastest_found.lowest(other) is None
+    found.path.write_text("{not json")
+    assert fastest_found.lowest(problem).schedule.strategy == high.strategy  # (the next lowest)
+    assert fastest_found.remember(problem, low)  # (and is replaced by the next one found)
+    assert fastest_found.lowest(problem).peak_bytes == low_peak
 
 
 def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeypatch):
@@ -46,9 +49,9 @@ def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeyp
     low = solver.minimum_peak(problem, time_limit=10, verbose=False)
     peak = low.predicted_peak_bytes
     assert peak < baselines.min_known_peak(problem)[0]  # no baseline meets it
-    lowest_found.remember(problem, low)
-    plan = lowest_found.recall_plan(problem)
-    assert plan is not None and lowest_found.recall(problem)[1] == peak
+    fastest_found.remember(problem, low)
+    plan, found = fastest_found.lowest_plan(problem)
+    assert found.peak_bytes == peak
 
     def unlucky(*args, **kwargs):
         return milp._LadderResult(None, (None, None), [])
@@ -70,7 +73,7 @@ def test_sweeps_keep_and_start_from_it_too(cache, monkeypatch):
     problem = chain(8)
     below, low = sweep_model(problem, [1000, "min"], time_limit=5, verbose=False)
     assert isinstance(below, solver.InfeasibleBudget)
-    _, kept_peak = lowest_found.recall(problem)
+    kept_peak = fastest_found.lowest(problem).peak_bytes
     assert kept_peak <= low.predicted_peak_bytes < baselines.min_known_peak(problem)[0]
     monkeypatch.setattr(milp, "_ladder", lambda *a, **k: milp._LadderResult(None, (None, None), []))
     (again,) = sweep_model(problem, [kept_peak], time_limit=5, verbose=False)

@@ -349,7 +349,7 @@ def test_time_spent_before_the_first_time_milp_still_returns_the_fitting_plan(mo
     p = PROBLEMS["resnet50"]
     known, low = _below_every_baseline()
     budget = (low.predicted_peak_bytes + known) // 2
-    s = solve(p, budget, time_limit=10, verbose=False)
+    s = solve(p, budget, time_limit=6, verbose=False)
     _check(p, s, budget)
     assert s.solver.status.startswith("fallback:warm-start plan")
     assert s.budget_bytes == budget
@@ -717,11 +717,13 @@ def test_resuming_an_earlier_solve_polishes_it_beside_the_bound_run(monkeypatch,
     """`solve(..., resume=True)` from an earlier solve's plan: no RINS (it ran there), the plan is
     polished beside HiGHS' bound run; the result fits, is no slower than the start, and its gap
     is proven by a run (not only the trivial bound)."""
+    import solver.milp as milp
     from solver.milp import _solve
 
+    monkeypatch.setattr(milp, "EARLY_MIN_S", 2.0)  # (the bound run starts with this much time left)
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.5 * B.no_recompute(p).predicted_peak_bytes)
-    first, plan = _solve(p, budget, time_limit=4, verbose=False)
+    first, plan = _solve(p, budget, time_limit=3, verbose=False)
     assert plan is not None and first.strategy == "milp"
 
     def no_rins(*args, **kwargs):
@@ -732,7 +734,7 @@ def test_resuming_an_earlier_solve_polishes_it_beside_the_bound_run(monkeypatch,
     real = local_search.polish
     monkeypatch.setattr(local_search, "polish", lambda *a, **k: polished.append(1) or real(*a, **k))
     capfd.readouterr()
-    again = solve(p, budget, time_limit=14, verbose=True, start_plan=plan, resume=True)  # (EARLY_MIN_S)
+    again = solve(p, budget, time_limit=6, verbose=True, start_plan=plan, resume=True)
     err = capfd.readouterr().err
     assert "resuming from an earlier solve's plan" in err and "beside HiGHS' early run" in err, err
     assert polished, "nothing polished"
