@@ -93,9 +93,10 @@ def lowest(problem: Problem) -> Kept | None:
     return min(kept(problem), key=lambda k: (k.peak_bytes, k.time_s), default=None)
 
 
-def lowest_plan(problem: Problem) -> tuple[Plan, Kept] | None:
-    """`lowest`'s schedule as the plan a solve starts from, with what was recalled."""
-    return _with_plan(problem, lowest(problem))
+def lowest_plan(problem: Problem) -> Plan | None:
+    """`lowest`'s schedule as the plan a solve starts from (None: none kept, or none replays)."""
+    found = _with_plan(problem, lowest(problem))
+    return found[0] if found is not None else None
 
 
 def _with_plan(problem: Problem, found: Kept | None) -> tuple[Plan, Kept] | None:

@@ -146,8 +146,7 @@ def solve_model(
                     flush=True,
                 )
     if reuse and start is None:
-        low = fastest_found.lowest_plan(problem)
-        start = low[0] if low is not None else None
+        start = fastest_found.lowest_plan(problem)
     try:
         if budget == "min":
             schedule = solver.minimum_peak(
@@ -222,8 +221,7 @@ def sweep_model(
     parsed = [parse_budget(b) for b in budgets]
     sized = [k for k, b in enumerate(parsed) if b != "min"]
     out: list = [None] * len(parsed)
-    low = fastest_found.lowest_plan(problem)  # (as solve_model: `monet_opt.fastest_found`)
-    start = low[0] if low is not None else None
+    start = fastest_found.lowest_plan(problem)  # (as solve_model: `monet_opt.fastest_found`)
     found = solver.sweep(
         problem,
         [parsed[k] for k in sized],

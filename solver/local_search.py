@@ -38,7 +38,7 @@ RINS_ROUNDS = 4
 # s more proving it; the second start's round 1.2533 at 6.0 s, 1.2471 at 13.3 s). At 1 % the time
 # left over goes to the later starts (with RINS_STARTS_SHARE 0.7: that problem 1.2646 -> 1.2374
 # s in 60 s, gap 4.0 -> 1.9 %; kept 0.5 1.1353 -> 1.1342, Adam 0.25 1.2955 -> 1.2840, Adam 0.33
-# the same, kept 0.4 1.1755 -> 1.1805, both proven within 1 %; benchmarks/results/session68)
+# the same, kept 0.4 1.1755 -> 1.1805, all proven within 1 %; benchmarks/results/session68)
 RINS_SUB_GAP = 0.01
 # ... a round after a start's first may take at most this share of the time left: polishing
 # beside HiGHS gets the rest (ResNet-50 b8 224, session-21 problem, kept gradients, 0.33: the

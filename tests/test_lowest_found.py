@@ -50,8 +50,8 @@ def test_a_budget_an_error_named_is_solved_from_the_kept_schedule(cache, monkeyp
     peak = low.predicted_peak_bytes
     assert peak < baselines.min_known_peak(problem)[0]  # no baseline meets it
     fastest_found.remember(problem, low)
-    plan, found = fastest_found.lowest_plan(problem)
-    assert found.peak_bytes == peak
+    plan = fastest_found.lowest_plan(problem)
+    assert plan is not None and fastest_found.lowest(problem).peak_bytes == peak
 
     def unlucky(*args, **kwargs):
         return milp._LadderResult(None, (None, None), [])
