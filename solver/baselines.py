@@ -232,8 +232,12 @@ def _inner_cuts(an: Analysis, coarse: list[int]) -> list[int]:
 
 # schedules `multilevel` may replay in its local search: ResNet-50 b8 224 (175 nodes) at 0.4
 # of its no-recompute peak, kept gradients, reached its local optimum (1.7017 s) after 1210
-# replays, 24 s on this 2-core machine; 400 reach 1.7154 s, 6.8 s with the scan before them
-REFINE_EVALS = 400
+# replays, 24 s on this 2-core machine; 400 reach 1.7154 s, 6.8 s with the scan before them.
+# On the session-65 problems (ResNet-50 b8 224 kept gradients and Adam step, 0.8-0.25 of the
+# no-recompute peak) 200 reach the same plans as 400 (Adam 0.25: 1.4848 s against 1.4832) in
+# 3.3-4.4 s against 4.4-7.4 s: the rest only confirms a local optimum, and a solve's search
+# starts from these plans anyway (session 69: kept 0.33 with the time saved, 1.2387 -> 1.2325 s)
+REFINE_EVALS = 200
 
 
 def multilevel(problem: Problem, budget: int | None = None, time_limit: float = 5.0) -> Schedule | None:

@@ -60,12 +60,19 @@ RINS_START_MIN_S = 3.0
 # ... and only if its MILP has at most this many times the own columns (`own_cells`) of the
 # fastest start's: building it and solving its LP relaxation grow faster than its size (356-node
 # synthetic DAG at 0.6: segment_sweep's plan, 6.1 times, 152k columns against 26.5k, built in 8
-# s, its LP not solved in the 5.8 s it had). Not lower: on ResNet-50 b8 224 (Adam step in the
-# backward, 0.5) a start of 2.1 times led to the best plan (1.0728; 1.0787 with it skipped at 1.5)
-RINS_START_SIZE_RATIO = 3.0
+# s, its LP not solved in the 5.8 s it had). On ResNet-50 b8 224 (Adam step in the backward, 0.5)
+# a start of 2.1 times once led to the best plan (session-21 problem: 1.0728; 1.0787 with it
+# skipped at 1.5), but on the session-65 problems no start of 2-3 times helped: kept gradients at
+# 0.33, a third start of 2.2 times took 11.5 s for nothing once its LP was given the time it needs
+# (3.0 -> 2.0: 1.2422 -> 1.2387 s in 60 s; every other frontier row skips no start; session 69)
+RINS_START_SIZE_RATIO = 2.0
 # ... and a further start's LP relaxation may take at most this many times the fastest start's
-# took (counted as at least 1 s): past that its round is skipped (ResNet-50 b8 224, gradients kept, 0.33: the third
-# start's LP took 6.1 s against 1.1 s, and its round found nothing in the 2.3 s left to it)
+# took (counted as at least 1 s), times its MILP's size ratio (as above; LP time grows faster
+# than columns): past that its round is skipped (ResNet-50 b8 224, gradients kept, 0.33, session
+# 40: the third start's LP took 6.1 s against 1.1 s, and its round found nothing in the 2.3 s left
+# to it). Session 69, same row: the second start (1.7 times) needs 2.0-2.7 s against 0.8-0.9 s;
+# without the size ratio its cap was 3 s, and one run in three it ran out and its round, the one
+# that leads to the best plans, was skipped (1.2643 s against 1.2321-1.2374)
 RINS_START_LP_RATIO = 3.0
 
 
@@ -83,7 +90,7 @@ def rins_from_starts(
     every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation).
     on_winner(MILP, plan): called when a start other than `plan` won, before RINS goes on in its
     MILP (`solver.milp` moves HiGHS' bound run there)."""
-    starts = [(form, plan)]
+    starts = [(form, plan, 1.0)]  # (MILP, start plan, its own columns / the fastest start's)
     size = own_cells(an, window, plan)
     for other in others:
         if len(starts) >= RINS_STARTS or deadline - time.perf_counter() < RINS_START_MIN_S * (
@@ -96,7 +103,7 @@ def rins_from_starts(
             continue
         built = Formulation(an, budget_bytes, window=window, warm_plan=other, backend=form.backend)
         if not built.violations(built.plan_to_vector(other)):
-            starts.append((built, other))
+            starts.append((built, other, ratio))
     if len(starts) == 1:
         found: list[MilpResult] = []
         got = rins(form, plan, deadline, threads, verbose, accept, relaxations=found)
@@ -111,7 +118,7 @@ def rins_from_starts(
     # 0.6: the greedy start's round found nothing in its share, the next start's round found
     # 1.5584 s against greedy's 1.4806, RINS went on from there and the solve fell back to greedy)
     bar = form.objective(form.plan_to_vector(plan))
-    for k, (f, start) in enumerate(starts):
+    for k, (f, start, ratio) in enumerate(starts):
         now = time.perf_counter()
         if deadline - now < 2.0:
             break
@@ -119,7 +126,7 @@ def rins_from_starts(
         # fastest start's; the round, what is left of this start's share)
         seconds = RINS_LP_SHARE * (deadline - now)
         if first_lp is not None:
-            seconds = min(seconds, RINS_START_LP_RATIO * max(first_lp.solve_time_s, 1.0))
+            seconds = min(seconds, RINS_START_LP_RATIO * max(first_lp.solve_time_s, 1.0) * max(ratio, 1.0))
         lp = relaxation(f, seconds, threads, verbose)
         if lp is None:
             continue

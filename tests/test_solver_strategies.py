@@ -1609,8 +1609,8 @@ def test_a_rins_start_whose_milp_would_be_much_larger_is_skipped_before_it_is_bu
 
 def test_a_further_rins_start_lp_gets_a_multiple_of_the_fastest_start_lp_time(monkeypatch, capsys):
     """A further RINS start's LP relaxation may take at most RINS_START_LP_RATIO times what the
-    fastest start's took (counted as at least 1 s), not a share of all the time left; a start whose LP
-    does not solve in that time runs no round. (ResNet-50 b8 224, gradients kept, 0.33: the third
+    fastest start's took (counted as at least 1 s) times its MILP's size ratio (`own_cells`), not a
+    share of all the time left; a start whose LP does not solve in that time runs no round. (ResNet-50 b8 224, gradients kept, 0.33: the third
     start's LP took 6.1 s against 1.1 s, and its round found nothing in the 2.3 s left to it.)"""
     import time
 
@@ -1636,8 +1636,11 @@ def test_a_further_rins_start_lp_gets_a_multiple_of_the_fastest_start_lp_time(mo
     assert len(asked) == 3 and asked[0][0] is form
     first_s = asked[0][2].solve_time_s
     cap = local_search.RINS_START_LP_RATIO * max(first_s, 1.0)
-    assert asked[0][1] > cap  # (the fastest start's LP: its share of the time left, larger here)
-    assert all(seconds <= cap + 1e-9 for _f, seconds, _lp in asked[1:]), (first_s, asked)
+    ratios = [formulation.own_cells(an, 6, o) / formulation.own_cells(an, 6, plan) for o in others[:2]]
+    caps = [cap * max(1.0, r) for r in ratios]  # (times each further start's size ratio)
+    assert asked[0][1] > max(caps)  # (the fastest start's LP: its share of the time left, larger here)
+    assert all(s <= c + 1e-9 for (_f, s, _lp), c in zip(asked[1:], caps)), (first_s, ratios, asked)
+    assert all(s >= c - 1e-9 for (_f, s, _lp), c in zip(asked[1:], caps)), (first_s, ratios, asked)
     assert asked[1][0] not in rounds_from and asked[2][0] in rounds_from
 
 
