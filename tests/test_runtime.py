@@ -57,8 +57,20 @@ def budget_at(problem, fraction: float) -> int:
     peak (as the benchmarks use) would be infeasible; this spans what recomputation can change.
     """
     plain = solver.simulate(problem, baselines.no_recompute(problem)).peak_bytes
-    low, _ = baselines.min_known_peak(problem)
-    return int(low + fraction * (plain - low))
+    return int(_lowest_peak(problem) + fraction * (plain - _lowest_peak(problem)))
+
+
+# id(problem) -> (problem, its min_known_peak); the problem is held, so its id is not reused
+_LOWEST: dict[int, tuple] = {}
+
+
+def _lowest_peak(problem) -> int:
+    """`baselines.min_known_peak(problem)`, once per problem object (a multilevel search: 1.7 s on
+    the ResNet-50 test problem, asked for by every budget fraction of it)."""
+    held = _LOWEST.get(id(problem))
+    if held is None or held[0] is not problem:
+        held = _LOWEST[id(problem)] = (problem, baselines.min_known_peak(problem)[0])
+    return held[1]
 
 
 def grads_after_step(net, model, x, seed=1):
@@ -111,16 +123,31 @@ def assert_same_gradients(model, wrapped, x, what: str):
     return plain
 
 
+def assert_same_buffers(model, plain, what: str):
+    """BatchNorm running statistics (every buffer) as in plain training."""
+    for (bn, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
+        torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7, msg=f"{what}: buffer {bn}")
+
+
 def check_schedule(name: str, schedule: solver.Schedule):
     model, x, problem = setup(name)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
-    assert_same_gradients(model, wrapped, x, name)
-    # the next step replays the first one's in-place decisions, without tracking storages
-    assert wrapped.executor.reuse_decisions
-    plain = assert_same_gradients(model, wrapped, x, f"{name}, replayed step")
-    # BatchNorm running statistics advanced exactly once per step, as in plain training
-    for (bn, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
-        torch.testing.assert_close(b1, b2, rtol=1e-6, atol=1e-7, msg=f"{name}: buffer {bn}")
+    plain = copy.deepcopy(model)
+    # (plain gradients are the same at every step here: no optimizer step, the same input and
+    # seed, BatchNorm normalising by the batch's statistics in training)
+    expected = grads_after_step(plain, plain, x)
+    for what in (name, f"{name}, replayed step"):
+        got = grads_after_step(wrapped, model, x)
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert_grads_close(got[key], expected[key], f"{what}: grad of {key}")
+        # BatchNorm running statistics advanced exactly once per step, as in plain training
+        assert_same_buffers(model, plain, what)
+        # the next step replays the first one's in-place decisions, without tracking storages
+        assert wrapped.executor.reuse_decisions
+        with torch.no_grad():  # (plain's buffers one step on: a forward in training updates them)
+            torch.manual_seed(1)
+            plain(x)
     peak, _ = measure_step(wrapped, (x,), steps=1)
     predicted = solver.simulate(problem, schedule).peak_bytes
     if schedule.budget_bytes is not None:

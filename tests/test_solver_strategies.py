@@ -111,11 +111,12 @@ def test_baselines_valid_and_above_lower_bound(name):
         assert B.plan_of(p, s) is not None  # the policy (levels and split too) round-trips
 
 
-@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("window", [1, 3])
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
 def test_milp_rows_bound_the_simulator(name, window):
     """A plan that the MILP accepts at budget b has simulated peak <= b, with objective == time.
-    With a recompute window, the plan it was built around (its warm start) is still feasible."""
+    With a recompute window, the plan it was built around (its warm start) is still feasible.
+    (The full formulation: `test_milp_rows_are_exact_for_policy_plans`, at the plans' own peaks.)"""
     p = PROBLEMS[name]
     an = B.analysis(p)
     window = _row_window(p, window)
@@ -134,10 +135,10 @@ def test_milp_rows_bound_the_simulator(name, window):
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
 def test_milp_rows_are_exact_for_policy_plans(name, step, window):
     """Every baseline's and random policy's plan is feasible for the MILP at its own simulated
-    peak: the rows count what the simulator counts (in-place forwards writing into a freed input,
-    held values and views freed after their last use, states made only when carried, gradients
-    summed and the optimizer step after a backward), so warm starts are not rejected at tight
-    budgets."""
+    peak, with objective == time: the rows count what the simulator counts (in-place forwards
+    writing into a freed input, held values and views freed after their last use, states made
+    only when carried, gradients summed and the optimizer step after a backward), so warm starts
+    are not rejected at tight budgets."""
     p = with_step_in_backward(PROBLEMS[name]) if step else PROBLEMS[name]
     an = B.analysis(p)
     window = _row_window(p, window)
@@ -147,6 +148,7 @@ def test_milp_rows_are_exact_for_policy_plans(name, step, window):
         form = Formulation(an, peak, window=window, warm_plan=plan)
         x = form.plan_to_vector(plan)
         assert not form.violations(x), (s.strategy, [form.md.r_tag[r] for r in form.violations(x)][:3])
+        assert abs(form.objective(x) - s.predicted_time_s) < 1e-9, s.strategy
         below = Formulation(an, peak - 1, window=window, warm_plan=plan)
         assert below.violations(below.plan_to_vector(plan)), "MILP accepts a plan over budget"
 
@@ -234,7 +236,7 @@ def test_solve_fits_and_beats_baselines(name, frac):
     lb = min_feasible_lower_bound(p)
     base = B.best_baseline(p, budget, greedy_time=2)
     try:
-        s = solve(p, budget, time_limit=8, verbose=False)
+        s = solve(p, budget, time_limit=5, verbose=False)
     except NoScheduleFound as exc:
         assert base is None
         assert exc.minimum_bytes > budget
@@ -1109,7 +1111,7 @@ def test_the_trivial_bound_holds_for_every_plan(name):
     for s in _policy_schedules(p, 10, 10, seed=3):
         assert bound <= simulate(p, s).time_s * (1 + 1e-12), s.strategy
     peak = simulate(p, B.no_recompute(p)).peak_bytes
-    s = solve(p, int(0.6 * peak), time_limit=10, verbose=False)
+    s = solve(p, int(0.6 * peak), time_limit=3, verbose=False)  # (any schedule it returns)
     assert bound <= simulate(p, s).time_s * (1 + 1e-12)
 
 
