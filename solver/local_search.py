@@ -123,7 +123,7 @@ def rins_from_starts(
         if deadline - now < 2.0:
             break
         # (the LP takes what it needs, a further start's at most RINS_START_LP_RATIO times the
-        # fastest start's; the round, what is left of this start's share)
+        # fastest start's, times its size ratio; the round, what is left of this start's share)
         seconds = RINS_LP_SHARE * (deadline - now)
         if first_lp is not None:
             seconds = min(seconds, RINS_START_LP_RATIO * max(first_lp.solve_time_s, 1.0) * max(ratio, 1.0))

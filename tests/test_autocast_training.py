@@ -72,7 +72,7 @@ def test_a_schedule_solved_in_float32_trains_under_autocast(monkeypatch, tmp_pat
     # bfloat16 weight copies convolutions save outweigh the halved activations; solve under the
     # autocast you train with, below. The wrapper warns where the schedule says how it was solved)
     _, schedule = solve_model(
-        model, (x,), budget_at(problem, 0.0), time_limit=10, verbose=False, problem=problem
+        model, (x,), budget_at(problem, 0.0), time_limit=4, verbose=False, problem=problem
     )
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     with pytest.warns(
@@ -88,7 +88,7 @@ def test_a_schedule_solved_under_autocast(monkeypatch, tmp_path):
     with torch.autocast(**BF16):
         problem = build_problem(model, (x,), progress=False, repeats=1)
         _, schedule = solve_model(
-            model, (x,), budget_at(problem, 0.0), time_limit=10, verbose=False, problem=problem
+            model, (x,), budget_at(problem, 0.0), time_limit=4, verbose=False, problem=problem
         )
     assert problem.meta["autocast"] == [["cpu", True, "bfloat16"]]
     bn = {"bn1"} | {n.name for n in problem.nodes if n.name.endswith(("_bn1", "_bn2"))}

@@ -69,7 +69,7 @@ def test_a_straight_through_estimator_keeps_its_backward(concrete, fraction, mon
     nodes = [n for n in trace(model, (x,)).gm.graph.nodes if n.target is function_node(RoundStraightThrough)]
     assert len(nodes) == 4
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
+    schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=4, verbose=False)
     assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "straight-through")
 
 
@@ -82,7 +82,7 @@ def test_a_reentrant_checkpoint_is_traced_as_the_function_it_wraps(monkeypatch, 
     with pytest.warns(UserWarning):  # (torch's: its inputs need no gradient in the eager check)
         problem = build_problem(model, (x,), progress=False, repeats=1)
     assert sum(n.requires_backward for n in problem.nodes) == len(problem.nodes)
-    schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=10, verbose=False)
+    schedule = solver.solve(problem, budget_at(problem, 0.3), time_limit=4, verbose=False)
     assert_same_gradients(
         model, MonetWrapper(model, schedule, example_inputs=(x,)), x, "reentrant checkpoint"
     )

@@ -239,13 +239,13 @@ def test_solve_model_refine_resolves_on_the_corrected_problem():
     budget = int(0.6 * solver.simulate(problem, solver.baselines.no_recompute(problem)).peak_bytes)
     # (short solves: what is checked is the refinement's bookkeeping, not the plans' quality)
     refined, schedule = solve_model(
-        model, (x,), budget, time_limit=4, verbose=False, problem=problem, refine=1
+        model, (x,), budget, time_limit=2, verbose=False, problem=problem, refine=1
     )
     assert len(refined.meta["schedule_calibration"]) == 1
     # refine_schedule alone keeps the problem's metadata on its schedule (bench reads the model there)
     tagged = dataclasses.replace(problem, meta={**problem.meta, "model": "narrow"})
-    first = solver.solve(tagged, budget, time_limit=3, verbose=False)
-    _, again = refine_schedule(model, (x,), tagged, first, rounds=1, time_limit=3, verbose=False)
+    first = solver.solve(tagged, budget, time_limit=2, verbose=False)
+    _, again = refine_schedule(model, (x,), tagged, first, rounds=1, time_limit=2, verbose=False)
     assert again.meta["model"] == "narrow" and again.meta["budget_fraction"] > 0
     assert refined.fingerprint == problem.fingerprint
     sim = solver.simulate(refined, schedule)

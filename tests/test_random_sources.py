@@ -59,7 +59,7 @@ def test_random_draws_are_nodes_replayed_on_recompute(make, draw, monkeypatch, t
     first, second = (first[0], second[0]) if isinstance(first, tuple) else (first, second)
     assert not torch.equal(first, second)
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=4, verbose=False)
     recomputed = {s.node for st in schedule.stages[1:] for s in st.steps if s.op == "compute"}
     assert recomputed
     assert_same_gradients(model, MonetWrapper(model, schedule, example_inputs=(x,)), x, make.__name__)

@@ -1685,7 +1685,7 @@ def test_a_smaller_input_runs_the_schedule_solved_for_a_larger_one(monkeypatch, 
     monkeypatch.setenv("MONET_OPT_CACHE", str(tmp_path))
     model, ids = models.gpt(batch=4, seq=32)
     problem = build_problem(model, (ids,), progress=False, repeats=1)
-    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=4, verbose=False)
     wrapped = MonetWrapper(model, schedule, example_inputs=(ids,))
     for smaller in (ids[:3], ids[:, :20], ids[:1, :7]):
         assert_same_gradients(model, wrapped, smaller, f"input {tuple(smaller.shape)}")

@@ -48,7 +48,7 @@ def test_torch_transformer_stacks_are_solved_layer_by_layer(make, monkeypatch, t
     problem = build_problem(model, (x,), progress=False, repeats=1)
     plain = solver.simulate(problem, solver.no_recompute(problem)).peak_bytes
     for fraction in (1.0, 0.0):
-        schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=10, verbose=False)
+        schedule = solver.solve(problem, budget_at(problem, fraction), time_limit=4, verbose=False)
         wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
         assert_same_gradients(model, wrapped, x, f"budget {fraction}")  # (dropout replayed)
         peak = measure_step_peak(wrapped, (x,))
