@@ -28,7 +28,8 @@ POLISH_NODE_LIMIT_S = 5.0
 POLISH_WORKERS = 2
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
 # share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
-# many rounds (each re-fixes what agrees with the new incumbent) it may run
+# many rounds (each re-fixes what agrees with the new incumbent) it may run from one start alone
+# (from several: one round each, `rins_from_starts`)
 RINS_LP_SHARE = 0.3
 RINS_SUB_LIMIT_S = 20.0
 RINS_ROUNDS = 4
@@ -81,15 +82,16 @@ def rins_from_starts(
 ) -> tuple[Formulation, Plan | None]:
     """RINS from `plan` in `form`, and first from up to RINS_STARTS - 1 of `others` (fitting
     plans, fastest first; each in a window-`window` MILP built around it, if its rows accept it):
-    one round from each in RINS_STARTS_SHARE of the time left, then the rest of the rounds from
-    the best plan found, in its MILP (from `plan` again, if no round found one). (One MILP
+    one round from each in RINS_STARTS_SHARE of the time left; the best plan a round found is
+    then left to polishing, in its MILP (if no round beat `plan`, the rest of the rounds run
+    from `plan`). (One MILP
     holding every start has more columns, and RINS' neighbourhoods in it are wider: ResNet-50 b8
     224, Adam step in the backward, at 0.25, RINS from multilevel's plan found 1.674 s in 6.4 s in
     the MILP around it, nothing in 7 s in the MILP around three plans.) Returns (the MILP of the
     plan RINS ended with, that plan, or None if RINS found nothing better than the best so far);
     every LP relaxation solved is appended to `solved` as (its MilpResult, its Formulation).
-    on_winner(MILP, plan): called when a start other than `plan` won, before RINS goes on in its
-    MILP (`solver.milp` moves HiGHS' bound run there)."""
+    on_winner(MILP, plan): called when a start other than `plan` won (`solver.milp` moves HiGHS'
+    bound run to its MILP)."""
     starts = [(form, plan, 1.0)]  # (MILP, start plan, its own columns / the fastest start's)
     size = own_cells(an, window, plan)
     for other in others:
@@ -111,7 +113,7 @@ def rins_from_starts(
         return form, got
     log(verbose, f"RINS from {len(starts)} starts")
     phase_end = time.perf_counter() + RINS_STARTS_SHARE * (deadline - time.perf_counter())
-    winner = None  # (MILP, plan, LP relaxation) of the last start whose round beat every other
+    winner = None  # (MILP, plan) of the last start whose round beat every other
     first_lp = None  # the fastest start's LP relaxation
     # a round's plan wins only if it is faster than the fastest start itself: `accept` keeps any
     # plan that beats the plans found so far, which need not include the start (356-node DAG at
@@ -137,7 +139,7 @@ def rins_from_starts(
         if f is form:
             first_lp = lp
         if got is not None and f.objective(f.plan_to_vector(got)) < bar - 1e-9:
-            winner = (f, got, lp)
+            winner = (f, got)
     if winner is None:
         if first_lp is None or deadline - time.perf_counter() < 2.0:
             return form, None
@@ -146,12 +148,15 @@ def rins_from_starts(
         # (356-node synthetic DAG at 0.33: its neighbourhood needs 8 s, and each start's round had 6)
         log(verbose, "no start's round beat the fastest start: RINS goes on from the fastest start")
         return form, rins(form, plan, deadline, threads, verbose, accept, lp=first_lp, first=False)
-    f, got, lp = winner
+    f, got = winner
     if on_winner is not None and f is not form:
         on_winner(f, got)
-    return f, rins(
-        f, got, deadline, threads, verbose, accept, rounds=RINS_ROUNDS - 1, lp=lp, first=False
-    ) or got
+    # no further RINS round from the winner's plan: polishing (beside HiGHS) takes it on. ResNet-50
+    # b8 224 (session-65 problems), 60 s, one run each, against rounds from it (session 69): kept
+    # 0.33 1.2325 -> 1.2320 s (its next round took 9.4 s for 0.3 %; polishing reached 1.2324 by
+    # 44 s), kept 0.5 1.1342 -> 1.1331, Adam 0.25 1.2840 -> 1.2792, Adam 0.5 1.1374 -> 1.1371, kept
+    # 0.4 and Adam 0.33 the same plans
+    return f, got
 
 
 def relaxation(form: Formulation, seconds: float, threads: int, verbose: bool) -> MilpResult | None:
