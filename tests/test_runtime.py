@@ -57,7 +57,8 @@ def budget_at(problem, fraction: float) -> int:
     peak (as the benchmarks use) would be infeasible; this spans what recomputation can change.
     """
     plain = solver.simulate(problem, baselines.no_recompute(problem)).peak_bytes
-    return int(_lowest_peak(problem) + fraction * (plain - _lowest_peak(problem)))
+    low = _lowest_peak(problem)
+    return int(low + fraction * (plain - low))
 
 
 # id(problem) -> (problem, its min_known_peak); the problem is held, so its id is not reused
@@ -116,11 +117,15 @@ def assert_same_gradients(model, wrapped, x, what: str):
     Returns the plain copy, stepped once (its buffers can be compared too)."""
     plain = copy.deepcopy(model)
     expected = grads_after_step(plain, plain, x)
-    got = grads_after_step(wrapped, model, x)
+    assert_grads_match(grads_after_step(wrapped, model, x), expected, what)
+    return plain
+
+
+def assert_grads_match(got: dict, expected: dict, what: str):
+    """The same parameters have gradients, each close to plain PyTorch's (`assert_grads_close`)."""
     assert expected.keys() == got.keys()
     for key in expected:
         assert_grads_close(got[key], expected[key], f"{what}: grad of {key}")
-    return plain
 
 
 def assert_same_buffers(model, plain, what: str):
@@ -136,18 +141,16 @@ def check_schedule(name: str, schedule: solver.Schedule):
     # (plain gradients are the same at every step here: no optimizer step, the same input and
     # seed, BatchNorm normalising by the batch's statistics in training)
     expected = grads_after_step(plain, plain, x)
-    for what in (name, f"{name}, replayed step"):
-        got = grads_after_step(wrapped, model, x)
-        assert expected.keys() == got.keys()
-        for key in expected:
-            assert_grads_close(got[key], expected[key], f"{what}: grad of {key}")
+    for step, what in enumerate((name, f"{name}, replayed step")):
+        if step:
+            # the next step replays the first one's in-place decisions, without tracking storages
+            assert wrapped.executor.reuse_decisions
+            with torch.no_grad():  # (plain's buffers one step on: a forward in training updates them)
+                torch.manual_seed(1)
+                plain(x)
+        assert_grads_match(grads_after_step(wrapped, model, x), expected, what)
         # BatchNorm running statistics advanced exactly once per step, as in plain training
         assert_same_buffers(model, plain, what)
-        # the next step replays the first one's in-place decisions, without tracking storages
-        assert wrapped.executor.reuse_decisions
-        with torch.no_grad():  # (plain's buffers one step on: a forward in training updates them)
-            torch.manual_seed(1)
-            plain(x)
     peak, _ = measure_step(wrapped, (x,), steps=1)
     predicted = solver.simulate(problem, schedule).peak_bytes
     if schedule.budget_bytes is not None:
@@ -1958,10 +1961,8 @@ def test_torchscript_submodules_train_as_one_node_each(monkeypatch, tmp_path):
         "blocks_2",
     ]
     wrapped = MonetWrapper(model, baselines.checkpoint_all(problem), example_inputs=(x,))
-    expected, got = grads_after_step(plain, plain, x), grads_after_step(wrapped, model, x)
-    assert expected.keys() == got.keys()
-    for key in expected:
-        assert_grads_close(got[key], expected[key], f"grad of {key}")
+    expected = grads_after_step(plain, plain, x)
+    assert_grads_match(grads_after_step(wrapped, model, x), expected, "scripted blocks")
 
 
 def test_an_input_in_another_memory_format_than_solved_is_refused(monkeypatch, tmp_path):

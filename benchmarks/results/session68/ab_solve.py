@@ -1,7 +1,7 @@
-"""One verbose solve with solver constants overridden (session 68 A/B runs).
+"""One verbose solve with solver constants overridden (session 68 and 69 A/B runs).
 
 python benchmarks/results/session68/ab_solve.py PROBLEM.json 0.33 60 [module.NAME=value ...]
-e.g. local_search.RINS_STARTS=2 milp.EARLY_MIN_S=5
+e.g. local_search.RINS_STARTS=2 milp.EARLY_MIN_S=5 baselines.REFINE_EVALS=200
 """
 
 import importlib
@@ -16,9 +16,13 @@ for setting in sys.argv[4:]:
     module, name = target.rsplit(".", 1)
     mod = importlib.import_module(f"solver.{module}")
     old = getattr(mod, name)
-    setattr(mod, name, type(old)(value))
+    new = type(old)(value)
+    setattr(mod, name, new)
+    if name == "REFINE_EVALS":  # (bound as multilevel_starts' max_evals default at definition)
+        defaults = list(B.multilevel_starts.__defaults__)
+        defaults[-1] = new
+        B.multilevel_starts.__defaults__ = tuple(defaults)
 peak0 = B.no_recompute(p).predicted_peak_bytes
-t0 = B.no_recompute(p).predicted_time_s
 budget = int(float(sys.argv[2]) * peak0)
 s = solve(p, budget, time_limit=float(sys.argv[3]), verbose=True)
 sim = simulate(p, s)
