@@ -303,4 +303,6 @@ def test_deferred_weight_gradients_are_timed_as_their_nodes_backward(monkeypatch
     wrapped = MonetWrapper(model, baselines.no_recompute(problem), example_inputs=(x,))
     parts = measure_parts(wrapped, (x,), steps=1)
     assert parts.backward_s >= slow * len(deferred)
-    assert parts.other_s < slow
+    # Were the deferred gradients counted in 'other', it would hold all of their delay; the rest
+    # of 'other' (loss, autograd engine, timer) is ~10-20 ms on this machine and noisy.
+    assert parts.other_s < slow * len(deferred) / 2, (parts, len(deferred))
