@@ -995,6 +995,7 @@ class Formulation:
         incumbent=None,
         options: dict | None = None,
         supply=None,
+        found=None,
     ) -> MilpResult:
         """fixed: column -> value, held there (the neighbourhoods of `polish`).
         stall_s: give up if HiGHS has found nothing better than `warm` by the end of its root
@@ -1010,7 +1011,9 @@ class Formulation:
         options: HiGHS options over `highs_options`, for this run.
         supply: returns a solution vector of this MILP found elsewhere (this formulation's
         units), or None; HiGHS takes it as its incumbent when it next asks for one (a better
-        incumbent prunes its tree and stops it at `mip_gap`)."""
+        incumbent prunes its tree and stops it at `mip_gap`).
+        found: called with each improving solution HiGHS finds or takes (this formulation's
+        units), in HiGHS' thread, as it finds it."""
         highspy = import_highspy()
         t_enter = time.perf_counter()
         md = self.md
@@ -1089,6 +1092,8 @@ class Formulation:
                 under_target[0] = under_target[0] or sol[peak_col] <= target
             if not improved[0] and len(sol) == len(scaled.cost):
                 improved[0] = float(scaled.cost @ np.asarray(sol)) < to_beat
+            if found is not None and len(sol) == len(scaled.cost):
+                found(scaled.from_model(np.asarray(sol, dtype=float)))
 
         next_note = [t0 + PROGRESS_EVERY_S]
 

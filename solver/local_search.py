@@ -26,6 +26,8 @@ POLISH_NODE_LIMIT_S = 5.0
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
 # at a time
 POLISH_WORKERS = 2
+# polishing beside HiGHS goes on from faster plans found beside it (`highs_beside_polish`)
+ADOPT = True
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
 # share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
 # many rounds (each re-fixes what agrees with the new incumbent) it may run from one start alone
@@ -276,6 +278,9 @@ class BoundRun:
         self.best = form.objective(warm) if warm is not None else float("inf")
         self._out: dict = {}
         self.started = not after  # HiGHS has started (not while it waits for `after`)
+        # (vector, objective) of the best plan HiGHS found itself, better than every plan offered
+        # to it (its heuristics or its tree), not yet taken by `take_found`
+        self._found = None
 
         def run() -> None:
             try:
@@ -297,6 +302,7 @@ class BoundRun:
                     incumbent=lambda: self.best if self.best < float("inf") else None,
                     options=BOUND_OPTIONS,
                     supply=self._take,
+                    found=self._found_one,
                 )
             except BaseException as exc:  # (raised again in the caller's thread)
                 self._out["error"] = exc
@@ -317,6 +323,20 @@ class BoundRun:
             self._pending = x
             self.best = objective
         return True
+
+    def _found_one(self, x) -> None:
+        objective = self.form.objective(x)
+        with self._lock:
+            if objective < self.best - 1e-9:
+                self.best = objective
+                self._found = (x, objective)
+
+    def take_found(self) -> tuple | None:
+        """(plan, objective) of the best plan HiGHS found itself since the last call, if it beats
+        every plan offered to it; else None."""
+        with self._lock:
+            found, self._found = self._found, None
+        return None if found is None else (self.form.vector_to_plan(found[0]), found[1])
 
     def _take(self):
         with self._lock:
@@ -350,6 +370,7 @@ def highs_beside_polish(
     run: BoundRun | None = None,
     after=None,
     proven=None,
+    latest=None,
 ) -> MilpResult:
     """HiGHS on `form` from `warm` (the vector of `plan`) until `deadline`, in a thread of its
     own (a `BoundRun`; or `run`, one already running on a MILP that holds `form`'s plans), while
@@ -366,7 +387,11 @@ def highs_beside_polish(
     early run on the window's own MILP): polishing stops and HiGHS' run is stopped, as it stops
     itself once its own bound proves that. (ResNet-50 b8 224, kept gradients, 0.33, 180 s: the
     early run's 1.2149 s proved the polished 1.2241-s plan within 0.8 % at 128 s; HiGHS here, its
-    bound 1.1790, polished on to the deadline.)"""
+    bound 1.1790, polished on to the deadline.)
+    latest(): (plan, objective) of the best plan kept so far, from anywhere, or None. Polishing
+    goes on from a plan HiGHS finds itself, or from `latest()`'s, where it beats polishing's own
+    (ResNet-50 b8 224, kept gradients, 0.4: HiGHS' early run found 1.1874 s at its root while
+    polishing, which never saw it, stayed at 1.2120 s for its last 37 s)."""
     if run is None:
         run = BoundRun(form, warm, deadline, mip_gap, threads, verbose, after=after)
 
@@ -378,6 +403,19 @@ def highs_beside_polish(
 
     settled = [False]  # proven() said so once
 
+    def adopt(current: float):
+        # HiGHS' own plans are kept as they come (polishing may go on from them), then the best
+        # kept anywhere (`latest`: another run's) if it beats polishing's and is a plan of `form`
+        found = run.take_found()
+        if found is not None and accept(*found) and found[1] < current - 1e-9:
+            if run.form is form or form.point_of(*found) is not None:
+                return found
+        if latest is not None:
+            best = latest()
+            if best is not None and best[1] < current - 1e-9 and form.point_of(*best) is not None:
+                return best
+        return None
+
     def stop() -> bool:
         if run.done.is_set() or settled[0]:
             return True
@@ -388,7 +426,7 @@ def highs_beside_polish(
         return False
 
     try:
-        polish(form, plan, deadline, 1, verbose, accept_offer, stop=stop)
+        polish(form, plan, deadline, 1, verbose, accept_offer, stop=stop, adopt=adopt if ADOPT else None)
     except BaseException:
         run.cancel()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise
@@ -396,7 +434,14 @@ def highs_beside_polish(
 
 
 def polish(
-    form: Formulation, plan: Plan, deadline: float, threads: int, verbose: bool, accept, stop=None
+    form: Formulation,
+    plan: Plan,
+    deadline: float,
+    threads: int,
+    verbose: bool,
+    accept,
+    stop=None,
+    adopt=None,
 ) -> None:
     """Large-neighbourhood search on a time-mode incumbent, until `deadline`.
 
@@ -421,7 +466,9 @@ def polish(
     still bounds it). Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
     core; a band started before another band's improvement is kept only if it beats that.
     `accept(plan, objective)` replays and keeps a plan; `stop()`, if given, ends polishing early
-    (no further band starts once it returns True)."""
+    (no further band starts once it returns True); `adopt(objective)`, if given, returns a plan
+    of `form` faster than the objective given, found elsewhere, and its objective (polishing goes
+    on from it), or None."""
     an = form.an
     integer = np.flatnonzero(np.asarray(form.md.integer))
     x = form.plan_to_vector(plan)
@@ -480,6 +527,14 @@ def polish(
             while todo or running:
                 if stop is not None and stop():
                     todo.clear()
+                better = adopt(current) if adopt is not None else None
+                if better is not None:
+                    # a faster plan found elsewhere (HiGHS beside polishing): polishing goes on
+                    # from it, the bands left in this pass around it
+                    log(verbose, f"polish: on from {better[1]:.4f}, found beside it (was {current:.4f})")
+                    plan, current = better
+                    x = form.plan_to_vector(plan)
+                    improved = True
                 while todo and len(running) < workers:
                     hood = todo.pop()
                     job = _start_band(pool, form, x, integer, hood, span, deadline, sub_threads)

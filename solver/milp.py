@@ -907,6 +907,7 @@ def _ladder(
                 run=run,
                 after=ending,
                 proven=proven_now,
+                latest=lambda: None if best is None else (best[2], best[1]),
             )
             if best_form is form:
                 warm_plan = best[2]  # (the next window starts from the polished plan)

@@ -919,6 +919,67 @@ def test_polishing_beside_highs_stops_once_a_bound_from_elsewhere_proves_the_pla
     assert all(t <= asked[-1] + 0.1 for t in band_starts), "a band started after the plan was proven"
 
 
+def test_polishing_beside_highs_goes_on_from_a_faster_plan_found_elsewhere(monkeypatch):
+    """`highs_beside_polish(..., latest=)`: a faster plan kept elsewhere (HiGHS' early run, in
+    `solve`) is where polishing goes on from: every band after it starts from that plan or a faster
+    one, and every plan polishing keeps then beats it. (ResNet-50 b8 224 kept 0.4: polishing had
+    stayed at 1.2120 s for 37 s while the early run's 1.1874-s plan went unused.)"""
+    import time
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    better = form.solve_highs(4, mip_gap=1e-3, warm=form.plan_to_vector(plan))
+    assert better.plan is not None and better.objective < times[0] - 1e-9
+    starts = []  # each band's starting objective
+    real = Formulation.solve_highs
+
+    def recorded(self, *args, **kwargs):
+        if kwargs.get("fixed"):  # a polishing band
+            starts.append(self.objective(kwargs["warm"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Formulation, "solve_highs", recorded)
+    kept = []
+
+    def accept_kept(plan, objective):
+        if accept(plan, objective):
+            kept.append(objective)
+            return True
+        return False
+
+    t0 = time.perf_counter()
+    local_search.highs_beside_polish(
+        form,
+        plan,
+        form.plan_to_vector(plan),
+        t0 + 60.0,
+        1e-6,
+        2,
+        False,
+        accept_kept,
+        proven=lambda: len(starts) >= 4,
+        latest=lambda: (better.plan, better.objective),
+    )
+    assert starts, "no polishing beside HiGHS"
+    assert all(t <= better.objective + 1e-9 for t in starts), (starts, better.objective)
+    assert all(t < better.objective for t in kept), (kept, better.objective)
+
+
+def test_a_bound_run_hands_over_the_plans_it_finds_itself():
+    """`BoundRun.take_found`: a plan HiGHS found itself, faster than its warm start, once; the
+    plan is one of its MILP's, at the objective given."""
+    import time
+
+    form, plan, _accept, times = _from_sqrt_n("resnet_bneck60")
+    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 30, 1e-3, 1, False)
+    res = run.result()
+    assert res.objective is not None and res.objective < times[0] - 1e-9
+    found = run.take_found()
+    assert found is not None and found[1] < times[0] - 1e-9
+    assert found[1] == pytest.approx(res.objective, rel=1e-9)
+    assert form.point_of(*found) is not None
+    assert run.take_found() is None
+
+
 def test_a_bound_run_takes_the_plans_offered_to_it_as_its_incumbent(monkeypatch):
     """`BoundRun`: HiGHS, run for its bound from a slow plan, takes a faster plan found elsewhere
     as its incumbent when it next asks for one: stopped right after it took it (no heuristics,

@@ -16,7 +16,7 @@ for setting in sys.argv[4:]:
     module, name = target.rsplit(".", 1)
     mod = importlib.import_module(f"solver.{module}")
     old = getattr(mod, name)
-    new = type(old)(value)
+    new = value in ("1", "True", "true") if isinstance(old, bool) else type(old)(value)
     setattr(mod, name, new)
     if name == "REFINE_EVALS":  # (bound as multilevel_starts' max_evals default at definition)
         defaults = list(B.multilevel_starts.__defaults__)
