@@ -46,6 +46,13 @@ EARLY_MIN_S = 10.0
 # hand-over +48.5 % -> +30.7 % predicted, at the cost of 0.4: +14.7 % -> +20.7 %, where HiGHS' root
 # heuristics needed ~25 s)
 STALL_SHARE = 0.5
+# time mode, after RINS: polishing goes on beside HiGHS' early run (on the window's own MILP),
+# whichever MILP RINS ended in, instead of HiGHS again on RINS' MILP from its root (session 70,
+# ResNet-50 b8 224, 60 s, one run each, with polishing going on from HiGHS' plans: kept 0.4
+# 1.1848 s (0.99 %) -> 1.1755 (0.21 %), Adam 0.8 1.0879 -> 1.0799, Adam 0.25 1.2810 -> 1.2783,
+# kept 0.33, 0.5, 0.6 the same plans; the early run's bound holds for all of the window's
+# schedules, and it keeps its cuts and incumbents)
+KEEP_EARLY_RUN = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -863,22 +870,23 @@ def _ladder(
                 continue
         beside = budget_bytes is not None and warm is not None and form.backend == "highs"
         run = None  # the early run, if polishing goes on beside it
-        if early is not None and beside and (early.form is form or resume):
+        keep = KEEP_EARLY_RUN and early is not None and not early.done.is_set()
+        if early is not None and beside and (early.form is form or resume or keep):
             # RINS ended in the early run's MILP (a run that already ended returns at once,
-            # polishing nothing). Otherwise the early run is stopped (its bound kept: it holds for
-            # the window's schedules) and HiGHS runs in RINS' MILP, from its plan, polishing beside
-            # it. (Session 65: keeping the early run to the deadline instead, polishing beside it
-            # and HiGHS in RINS' MILP only once it ended, proved about as much but ended on a worse
-            # plan at ResNet-50 b8 224 kept 1/3, 1.2133 s against 1.2066 the same morning; 0.4
-            # 1.1678 against 1.1686). When resuming (no RINS), polishing goes on beside the early
-            # run whichever MILP it is on: its plans are offered to it where they are its points.
-            run, early = early, None
+            # polishing nothing), or the early run goes on (KEEP_EARLY_RUN, resuming): polishing
+            # goes on beside it whichever MILP it is on, its plans offered to it where they are
+            # its points, HiGHS' plans taken up by polishing. Otherwise the early run is stopped
+            # (its bound kept: it holds for the window's schedules) and HiGHS runs in RINS' MILP,
+            # from its plan, polishing beside it. (Session 65 had kept the early run to the deadline
+            # with HiGHS in RINS' MILP once it ended, on a worse plan at kept 1/3, 1.2133 s against
+            # 1.2066; then polishing did not take up HiGHS' plans.)
             log(
                 verbose,
-                "polishing goes on beside HiGHS' early run"
-                if resume
-                else "RINS ended in the early run's MILP: polishing goes on beside that run",
+                "RINS ended in the early run's MILP: polishing goes on beside that run"
+                if early.form is form and not resume
+                else "polishing goes on beside HiGHS' early run",
             )
+            run, early = early, None
         if beside:
             # time mode: HiGHS on this MILP (or the early run's) for the rest of the time,
             # polishing beside it; polishing starts at once, HiGHS' run once the stopped runs

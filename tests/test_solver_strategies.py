@@ -1086,6 +1086,23 @@ def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypat
     assert any(abs(s.solver.gap - max(0.0, (obj - b) / obj)) < 1e-6 for b in bounds) or s.solver.gap == 0.0
 
 
+def test_polishing_goes_on_beside_the_early_run_after_rins(monkeypatch, capfd):
+    """After RINS, polishing goes on beside HiGHS' early run on the window's own MILP, whichever
+    MILP RINS ended in (`milp.KEEP_EARLY_RUN`): no other HiGHS run in that window, its bound is
+    the early run's, and the schedule fits."""
+    import solver.milp as milp
+
+    monkeypatch.setattr(milp, "EARLY_MIN_S", 2.0)
+    p = PROBLEMS["resnet_bneck60"]
+    budget = int(0.45 * B.no_recompute(p).predicted_peak_bytes)
+    s = solve(p, budget, time_limit=12, verbose=True, window=6)
+    _check(p, s, budget)
+    err = capfd.readouterr().err
+    assert "polishing goes on beside HiGHS' early run" in err, err
+    runs = [a for a in s.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
+    assert runs and all(a.get("early") for a in runs), s.meta["milp_attempts"]
+
+
 @pytest.mark.parametrize(
     "make", [lambda: resnet(30, seed=3), lambda: chain(12, seed=2), lambda: random_dag(16, seed=6)]
 )
