@@ -21,6 +21,8 @@ POLISH_SUB_LIMIT_S = 5.0
 # ... and the node bands: this many consecutive nodes' columns at every stage, each sub-MILP's limit
 POLISH_NODES = 24
 POLISH_NODE_LIMIT_S = 5.0
+# the relative gap each band's sub-MILP is solved to (of the whole step time)
+POLISH_SUB_GAP = 1e-4
 # bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
 # mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
@@ -581,5 +583,5 @@ def _start_band(
         free = form.band_columns(band, range(max(0, min(ts) - span), max(ts) + 1))
     fixed = {int(c): float(round(x[c])) for c in integer if c not in free}
     return pool.submit(
-        form.solve_milp, min(remaining, limit), mip_gap=1e-4, threads=threads, warm=x, fixed=fixed
+        form.solve_milp, min(remaining, limit), mip_gap=POLISH_SUB_GAP, threads=threads, warm=x, fixed=fixed
     )

@@ -1628,7 +1628,7 @@ def test_a_compiled_wrapper_runs_its_schedule_eagerly(monkeypatch, tmp_path):
     )
     x = torch.randn(128, 64)
     problem = build_problem(model, (x,), progress=False, repeats=1)
-    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=10, verbose=False)
+    schedule = solver.solve(problem, budget_at(problem, 0.0), time_limit=4, verbose=False)
     assert any(s.op == "compute" for st in schedule.stages[1:] for s in st.steps)
     wrapped = MonetWrapper(model, schedule, example_inputs=(x,))
     compiled = torch.compile(wrapped)

@@ -970,7 +970,7 @@ def test_a_bound_run_hands_over_the_plans_it_finds_itself():
     import time
 
     form, plan, _accept, times = _from_sqrt_n("resnet_bneck60")
-    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 30, 1e-3, 1, False)
+    run = local_search.BoundRun(form, form.plan_to_vector(plan), time.perf_counter() + 4, 1e-3, 1, False)
     res = run.result()
     assert res.objective is not None and res.objective < times[0] - 1e-9
     found = run.take_found()
