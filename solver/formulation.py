@@ -1108,7 +1108,7 @@ class Formulation:
                 if best is not None and np.isfinite(bound) and 0 < bound <= best:
                     # (beside polishing: HiGHS' own gap is to its own incumbent, not to the plan
                     # polishing holds; HiGHS' incumbent objective may be its presolved model's)
-                    note = f"bound {bound:.4f}: the polished plan ({best:.4f}) within {(best - bound) / best:.1%}"
+                    note = f"bound {bound:.4f}: the best plan ({best:.4f}) within {(best - bound) / best:.1%}"
                 log(
                     True,
                     f"HiGHS: {time.perf_counter() - t0:.0f} s, {int(event.data_out.mip_node_count)} nodes, {note}",

@@ -23,6 +23,9 @@ POLISH_NODES = 24
 POLISH_NODE_LIMIT_S = 5.0
 # the relative gap each band's sub-MILP is solved to (of the whole step time)
 POLISH_SUB_GAP = 1e-4
+# each pass visits the stage bands first, then the node bands (each family by recompute work);
+# False: every band by recompute work
+POLISH_STAGES_FIRST = True
 # bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
 # mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
@@ -522,7 +525,7 @@ def polish(
         # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
         # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
         # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)
-        hoods.sort(key=lambda h: (h[1] != "stages", -h[0]))
+        hoods.sort(key=lambda h: (POLISH_STAGES_FIRST and h[1] != "stages", -h[0]))
         todo = hoods[::-1]  # (popped from the end: in order)
         running: dict = {}  # future -> its neighbourhood
         with ThreadPoolExecutor(workers) as pool:
