@@ -1064,16 +1064,21 @@ def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypat
     starts, on a thread of its own; its run is recorded (`"early"` in `milp_attempts`) whether
     polishing went on beside it or it was stopped because RINS' plan left its MILP (then it moves
     to the MILP around that plan, a run recorded too); the schedule
-    fits, and the proven gap is one a recorded run's bound gives."""
+    fits, and the proven gap is one a recorded run's bound gives. After RINS, polishing goes on
+    beside the early run whichever MILP RINS ended in (`milp.KEEP_EARLY_RUN`): no other HiGHS
+    run in the window."""
     import solver.milp as milp
 
     monkeypatch.setattr(milp, "EARLY_MIN_S", 2.0)
     p = PROBLEMS["resnet_bneck60"]
     budget = int(0.45 * B.no_recompute(p).predicted_peak_bytes)
-    s = solve(p, budget, time_limit=12, verbose=True)
+    s = solve(p, budget, time_limit=12, verbose=True, window=6)
     _check(p, s, budget)
     err = capfd.readouterr().err
     assert "HiGHS runs for the bound from now on (window 6), beside RINS" in err, err
+    assert "polishing goes on beside HiGHS' early run" in err, err
+    runs = [a for a in s.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
+    assert runs and all(a.get("early") for a in runs), s.meta["milp_attempts"]
     early = [a for a in s.meta["milp_attempts"] if a.get("early")]
     # (two if it moved to the MILP around the plan RINS went on from: each is recorded)
     assert early and all(a["bound"] is not None for a in early), s.meta["milp_attempts"]
@@ -1084,23 +1089,6 @@ def test_highs_runs_for_the_bound_beside_rins_from_the_first_window_on(monkeypat
     bounds = [a["bound"] for a in s.meta["milp_attempts"] if a["bound"] is not None]
     assert s.solver.gap is not None
     assert any(abs(s.solver.gap - max(0.0, (obj - b) / obj)) < 1e-6 for b in bounds) or s.solver.gap == 0.0
-
-
-def test_polishing_goes_on_beside_the_early_run_after_rins(monkeypatch, capfd):
-    """After RINS, polishing goes on beside HiGHS' early run on the window's own MILP, whichever
-    MILP RINS ended in (`milp.KEEP_EARLY_RUN`): no other HiGHS run in that window, its bound is
-    the early run's, and the schedule fits."""
-    import solver.milp as milp
-
-    monkeypatch.setattr(milp, "EARLY_MIN_S", 2.0)
-    p = PROBLEMS["resnet_bneck60"]
-    budget = int(0.45 * B.no_recompute(p).predicted_peak_bytes)
-    s = solve(p, budget, time_limit=12, verbose=True, window=6)
-    _check(p, s, budget)
-    err = capfd.readouterr().err
-    assert "polishing goes on beside HiGHS' early run" in err, err
-    runs = [a for a in s.meta["milp_attempts"] if a["status"] != "lp_relaxation"]
-    assert runs and all(a.get("early") for a in runs), s.meta["milp_attempts"]
 
 
 @pytest.mark.parametrize(
