@@ -788,7 +788,7 @@ def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch, capfd):
     polishing improves the plan beside it (one after the other, HiGHS was cut on a stall before its
     root bound): polishing starts while HiGHS runs, with a way to be stopped; the schedule fits;
     the proven gap is at least as tight as HiGHS' bound makes it for the returned plan. HiGHS'
-    progress lines give its bound against the plan polishing holds."""
+    progress lines give its bound against the best plan so far (polishing's or its own)."""
     import threading
 
     seen = []  # per polishing call: (HiGHS' thread alive when it started, given a stop)
@@ -812,7 +812,7 @@ def test_highs_runs_beside_polishing_and_its_bound_counts(monkeypatch, capfd):
     _check(p, s, budget)
     assert seen and seen[0] == (True, True), seen
     err = capfd.readouterr().err
-    notes = re.findall(r"HiGHS: .* bound ([0-9.]+): the polished plan \(([0-9.]+)\) within ([0-9.]+)%", err)
+    notes = re.findall(r"HiGHS: .* bound ([0-9.]+): the best plan \(([0-9.]+)\) within ([0-9.]+)%", err)
     assert notes, err
     for bound, best, gap in notes:
         assert float(bound) <= float(best) and float(bound) <= s.predicted_time_s + 1e-4
