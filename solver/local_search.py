@@ -23,9 +23,13 @@ POLISH_NODES = 24
 POLISH_NODE_LIMIT_S = 5.0
 # the relative gap each band's sub-MILP is solved to (of the whole step time)
 POLISH_SUB_GAP = 1e-4
-# each pass visits the stage bands first, then the node bands (each family by recompute work);
-# False: every band by recompute work
-POLISH_STAGES_FIRST = True
+# each pass visits every band, stage and node bands mixed, by the recompute work of the plan inside
+# it, the most first (False); True: the stage bands first, then the node bands, each family by
+# that work (the order until session 71). ResNet-50 b8 224 (session-65 problems), 60 s: kept
+# 0.33 1.2320-1.2321 s in four runs -> 1.2275-1.2279 in four of five (1.2339 in the fifth; the
+# deciding band, stages 112-127, ends at the deadline or not), gap 1.4 -> 1.1 %; Adam 0.25 1.2783
+# -> 1.2764; every other row of the README's table the same plan (benchmarks/results/session71)
+POLISH_STAGES_FIRST = False
 # bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
 # mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
@@ -462,8 +466,8 @@ def polish(
       backward: stage bands alone stopped at local optima (ResNet-50 b8 224 kept gradients at
       1/3: 1.6853 s after 54 s of stage bands, 1.6876 -> 1.6649 s in 50 s of node bands, 1.6542 s
       in 150 s, below a 600-s solve's 1.6573).
-    Within each family, bands that recompute the most are visited first: there is the most to
-    win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
+    Bands that recompute the most are visited first, stage and node bands mixed
+    (`POLISH_STAGES_FIRST`): there is the most to win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
     optimality, proves the plan optimal in every band of that size: the bands then double (while
     a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
     16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
@@ -520,8 +524,9 @@ def polish(
         for a in range(0, an.T, step):
             stages = range(a, min(an.T, a + span))
             hoods.append((sum(work[s] for s in stages), "stages", stages, POLISH_SUB_LIMIT_S))
-        # stage bands first (small sub-MILPs: quick steps from a rough plan), then node bands
-        # (moves stage bands cannot make); each family by recompute work. Measured on ResNet-50
+        # by recompute work, stage and node bands mixed (POLISH_STAGES_FIRST: see there). Before
+        # session 71: stage bands first (small sub-MILPs: quick steps from a rough plan), then node
+        # bands (moves stage bands cannot make); each family by recompute work. Measured on ResNet-50
         # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
         # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
         # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)

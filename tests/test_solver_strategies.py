@@ -506,6 +506,52 @@ def test_node_bands_improve_a_plan_without_stage_bands(name, monkeypatch):
     assert len(times) > 1, "no node band improved sqrt(n) checkpointing"
 
 
+@pytest.mark.parametrize("stages_first", [False, True])
+def test_polishing_visits_the_bands_that_recompute_the_most_first(stages_first, monkeypatch):
+    """One pass's order: every band (stage and node bands mixed) by the recompute work of the plan
+    inside it, the most first (`POLISH_STAGES_FIRST` off, the default); with it on, the stage
+    bands first, each family by that work."""
+    import concurrent.futures
+    import time
+
+    from solver.formulation import MilpResult
+
+    form, plan, _accept, _times = _from_sqrt_n("resnet_bneck60")
+    an = form.an
+    recomputed, work = [0.0] * an.n, [0.0] * an.T
+    for s, st in enumerate(plan.stages):
+        for i, m, g in st.recompute:
+            cost = an.entry_time(an.bw[s], i, m, g, plan.impl[i])
+            recomputed[i] += cost
+            work[s] += cost
+    visited = []  # (kind, its recompute work), in the order polishing starts the bands
+
+    def record(pool, form, x, integer, hood, span, deadline, threads):
+        _work, kind, band, _limit = hood
+        visited.append((kind, sum((recomputed if kind == "nodes" else work)[k] for k in band)))
+        done = concurrent.futures.Future()  # (no plan, not proven: the pass ends, and polishing)
+        done.set_result(MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, 0, 0))
+        return done
+
+    monkeypatch.setattr(local_search, "POLISH_STAGES_FIRST", stages_first)
+    monkeypatch.setattr(local_search, "_start_band", record)
+    local_search.polish(form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=None)
+    kinds = {kind for kind, _ in visited}
+    assert kinds == {"stages", "nodes"}, visited
+    if stages_first:
+        first_nodes = [kind for kind, _ in visited].index("nodes")
+        assert all(kind == "stages" for kind, _ in visited[:first_nodes])
+        assert all(kind == "nodes" for kind, _ in visited[first_nodes:])
+        families = [visited[:first_nodes], visited[first_nodes:]]
+    else:
+        families = [visited]
+        # (mixed: some node band comes before some stage band)
+        assert [kind for kind, _ in visited] != sorted((kind for kind, _ in visited), reverse=True)
+    for family in families:
+        works = [w for _, w in family]
+        assert works == sorted(works, reverse=True), family
+
+
 def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
     """A pass in which every band's sub-MILP is solved to optimality and none improves proves the
     plan optimal in every band of that size: polishing then doubles the bands and goes on, and the
