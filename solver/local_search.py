@@ -23,13 +23,19 @@ POLISH_NODES = 24
 POLISH_NODE_LIMIT_S = 5.0
 # the relative gap each band's sub-MILP is solved to (of the whole step time)
 POLISH_SUB_GAP = 1e-4
-# each pass visits every band, stage and node bands mixed, by the recompute work of the plan inside
-# it, the most first (False); True: the stage bands first, then the node bands, each family by
-# that work (the order until session 71). ResNet-50 b8 224 (session-65 problems), 60 s: kept
-# 0.33 1.2320-1.2321 s in four runs -> 1.2275-1.2279 in four of five (1.2339 in the fifth; the
-# deciding band, stages 112-127, ends at the deadline or not), gap 1.4 -> 1.1 %; Adam 0.25 1.2783
-# -> 1.2764; every other row of the README's table the same plan (benchmarks/results/session71)
-POLISH_STAGES_FIRST = False
+# the order in which each pass visits the bands (each family, stage and node bands, by the
+# recompute work of the plan inside a band, the most first): "by_work" (both families mixed, by
+# that work), "stages_first" (every stage band, then every node band: the order until session 71),
+# "alternate" (a stage band, a node band, and so on). 60-s solves (benchmarks/results/session71):
+# ResNet-50 b8 224 (session-65 problems), kept 0.33: stages_first 1.2320-1.2321 s in four runs,
+# by_work 1.2275-1.2279 in four of five (1.2339 in the fifth; the deciding band, stages 112-127,
+# ends at the deadline or not), gap 1.4 -> 1.1 %, alternate 1.2346 in three; Adam 0.25 1.2783 ->
+# 1.2764 by work, the README table's other rows the same plans. But the 356-node synthetic DAG at
+# 0.4: stages_first 1.5183-1.5184 (1.8 %), by_work 1.5254-1.5261 (2.3 %), alternate 1.5175 (two
+# runs each); its other rows and the smaller DAGs' the same or better by work (176 nodes at 0.33
+# 0.8 -> 0.4 %) but 51 nodes at 0.8 (1.016 -> 1.023, within 1 % both). Which band moves the plan
+# most, and whether it ends before the deadline, depends on the plan the bands before it left.
+POLISH_ORDER = "by_work"
 # bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
 # mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
@@ -466,8 +472,8 @@ def polish(
       backward: stage bands alone stopped at local optima (ResNet-50 b8 224 kept gradients at
       1/3: 1.6853 s after 54 s of stage bands, 1.6876 -> 1.6649 s in 50 s of node bands, 1.6542 s
       in 150 s, below a 600-s solve's 1.6573).
-    Bands that recompute the most are visited first, stage and node bands mixed
-    (`POLISH_STAGES_FIRST`): there is the most to win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
+    Within each family, bands that recompute the most are visited first (the families in
+    `POLISH_ORDER`): there is the most to win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
     optimality, proves the plan optimal in every band of that size: the bands then double (while
     a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
     16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
@@ -524,13 +530,13 @@ def polish(
         for a in range(0, an.T, step):
             stages = range(a, min(an.T, a + span))
             hoods.append((sum(work[s] for s in stages), "stages", stages, POLISH_SUB_LIMIT_S))
-        # by recompute work, stage and node bands mixed (POLISH_STAGES_FIRST: see there). Before
-        # session 71: stage bands first (small sub-MILPs: quick steps from a rough plan), then node
-        # bands (moves stage bands cannot make); each family by recompute work. Measured on ResNet-50
+        # in POLISH_ORDER (see there). Stage bands first, then node bands, as until session 71:
+        # small sub-MILPs first (quick steps from a rough plan), then moves stage bands cannot
+        # make; each family by recompute work. Measured on ResNet-50
         # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
         # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
         # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)
-        hoods.sort(key=lambda h: (POLISH_STAGES_FIRST and h[1] != "stages", -h[0]))
+        hoods = _band_order(hoods)
         todo = hoods[::-1]  # (popped from the end: in order)
         running: dict = {}  # future -> its neighbourhood
         with ThreadPoolExecutor(workers) as pool:
@@ -573,6 +579,22 @@ def polish(
                         improved = True
         if deadline - time.perf_counter() < 1.0:
             return
+
+
+def _band_order(hoods: list) -> list:
+    """The neighbourhoods (work, kind, band, limit) in the order a pass visits them (POLISH_ORDER)."""
+    if POLISH_ORDER == "by_work":
+        return sorted(hoods, key=lambda h: -h[0])
+    stages = sorted((h for h in hoods if h[1] == "stages"), key=lambda h: -h[0])
+    nodes = sorted((h for h in hoods if h[1] != "stages"), key=lambda h: -h[0])
+    if POLISH_ORDER == "stages_first":
+        return stages + nodes
+    if POLISH_ORDER != "alternate":
+        raise ValueError(f"POLISH_ORDER {POLISH_ORDER!r}: stages_first, by_work or alternate")
+    order = []
+    for k in range(max(len(stages), len(nodes))):
+        order.extend(family[k] for family in (stages, nodes) if k < len(family))
+    return order
 
 
 def _start_band(

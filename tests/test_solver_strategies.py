@@ -506,11 +506,11 @@ def test_node_bands_improve_a_plan_without_stage_bands(name, monkeypatch):
     assert len(times) > 1, "no node band improved sqrt(n) checkpointing"
 
 
-@pytest.mark.parametrize("stages_first", [False, True])
-def test_polishing_visits_the_bands_that_recompute_the_most_first(stages_first, monkeypatch):
-    """One pass's order: every band (stage and node bands mixed) by the recompute work of the plan
-    inside it, the most first (`POLISH_STAGES_FIRST` off, the default); with it on, the stage
-    bands first, each family by that work."""
+@pytest.mark.parametrize("order", ["stages_first", "by_work", "alternate"])
+def test_polishing_visits_the_bands_that_recompute_the_most_first(order, monkeypatch):
+    """One pass's order (`POLISH_ORDER`): each family of bands, stage and node bands, by the
+    recompute work of the plan inside a band, the most first; "stages_first": every stage band
+    before every node band; "by_work": both mixed, by that work; "alternate": stage, node, stage..."""
     import concurrent.futures
     import time
 
@@ -533,23 +533,28 @@ def test_polishing_visits_the_bands_that_recompute_the_most_first(stages_first, 
         done.set_result(MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, 0, 0))
         return done
 
-    monkeypatch.setattr(local_search, "POLISH_STAGES_FIRST", stages_first)
+    monkeypatch.setattr(local_search, "POLISH_ORDER", order)
     monkeypatch.setattr(local_search, "_start_band", record)
     local_search.polish(form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=None)
-    kinds = {kind for kind, _ in visited}
-    assert kinds == {"stages", "nodes"}, visited
-    if stages_first:
-        first_nodes = [kind for kind, _ in visited].index("nodes")
-        assert all(kind == "stages" for kind, _ in visited[:first_nodes])
-        assert all(kind == "nodes" for kind, _ in visited[first_nodes:])
-        families = [visited[:first_nodes], visited[first_nodes:]]
+    kinds = [kind for kind, _ in visited]
+    stages = [w for kind, w in visited if kind == "stages"]
+    nodes = [w for kind, w in visited if kind == "nodes"]
+    assert stages and nodes, visited
+    every = len(range(0, an.n, local_search.POLISH_NODES // 2)) + len(
+        range(0, an.T, local_search.POLISH_SPAN // 2)
+    )
+    assert len(visited) == every  # (every band once)
+    if order == "by_work":
+        works = [w for _, w in visited]
+        assert works == sorted(works, reverse=True), visited
+        assert kinds != sorted(kinds, reverse=True)  # (mixed here: some node band before a stage band)
     else:
-        families = [visited]
-        # (mixed: some node band comes before some stage band)
-        assert [kind for kind, _ in visited] != sorted((kind for kind, _ in visited), reverse=True)
-    for family in families:
-        works = [w for _, w in family]
-        assert works == sorted(works, reverse=True), family
+        assert stages == sorted(stages, reverse=True) and nodes == sorted(nodes, reverse=True), visited
+        if order == "stages_first":
+            assert kinds == ["stages"] * len(stages) + ["nodes"] * len(nodes)
+        else:
+            pairs = min(len(stages), len(nodes))
+            assert kinds[: 2 * pairs] == ["stages", "nodes"] * pairs, kinds
 
 
 def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
