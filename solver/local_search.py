@@ -473,8 +473,8 @@ def polish(
       1/3: 1.6853 s after 54 s of stage bands, 1.6876 -> 1.6649 s in 50 s of node bands, 1.6542 s
       in 150 s, below a 600-s solve's 1.6573).
     Within each family, bands that recompute the most are visited first (the families in
-    `POLISH_ORDER`): there is the most to win, and time may run out. A pass that improves nothing, with every band's sub-MILP solved to
-    optimality, proves the plan optimal in every band of that size: the bands then double (while
+    `POLISH_ORDER`): there is the most to win, and time may run out. A pass that improves
+    nothing, with every band's sub-MILP solved to optimality, proves the plan optimal in every band of that size: the bands then double (while
     a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
     16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
     1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound
@@ -530,9 +530,9 @@ def polish(
         for a in range(0, an.T, step):
             stages = range(a, min(an.T, a + span))
             hoods.append((sum(work[s] for s in stages), "stages", stages, POLISH_SUB_LIMIT_S))
-        # in POLISH_ORDER (see there). Stage bands first, then node bands, as until session 71:
-        # small sub-MILPs first (quick steps from a rough plan), then moves stage bands cannot
-        # make; each family by recompute work. Measured on ResNet-50
+        # in POLISH_ORDER (see there). Until session 71 every stage band first, then every node
+        # band: small sub-MILPs first (quick steps from a rough plan), then moves stage bands
+        # cannot make; each family by recompute work. Measured on ResNet-50
         # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
         # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
         # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)
