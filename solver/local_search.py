@@ -36,6 +36,12 @@ POLISH_SUB_GAP = 1e-4
 # 0.8 -> 0.4 %) but 51 nodes at 0.8 (1.016 -> 1.023, within 1 % both). Which band moves the plan
 # most, and whether it ends before the deadline, depends on the plan the bands before it left.
 POLISH_ORDER = "by_work"
+# ... and after each improvement, the bands left in the pass are ranked again on the improved
+# plan (their recompute work moves with it). 60 s, with by_work: ResNet-50 b8 224 kept 0.33
+# 1.2275-1.2279 s -> 1.2275, 1.2238, 1.2238 (0.77 %: proven within 1 %); the 356-node synthetic
+# DAG at 0.4 1.5254-1.5261 -> 1.5167, 1.5195; kept 0.4 the same plan, Adam 0.25 1.078 (was 1.079
+# of no recompute's time), the README table's other rows the same (benchmarks/results/session71)
+POLISH_RERANK = True
 # bands polished at once, each HiGHS run in its own thread on one core (HiGHS' branch and bound is
 # mostly serial; highspy releases the GIL and keeps a scheduler per thread). Four node-band
 # sub-MILPs of ResNet-50 b8 224 at 1/3: 10.9 s one after another with 2 threads each, 7.6 s two
@@ -514,30 +520,21 @@ def polish(
         proved = True
         passes += 1
         span, band_nodes = POLISH_SPAN * scale, POLISH_NODES * scale
-        recomputed = [0.0] * an.n  # recompute time of each node in the plan, over all stages
-        work = [0.0] * an.T  # recompute time of each stage
-        for s, st in enumerate(plan.stages):
-            for i, m, g in st.recompute:
-                cost = an.entry_time(an.bw[s], i, m, g, plan.impl[i])
-                recomputed[i] += cost
-                work[s] += cost
+        # (work, kind, band, sub-MILP limit); the work is filled in by `_ranked`
         hoods: list[tuple[float, str, range, float]] = []
         step = max(1, band_nodes // 2)
         for a in range(0, an.n, step):
-            nodes = range(a, min(an.n, a + band_nodes))
-            hoods.append((sum(recomputed[i] for i in nodes), "nodes", nodes, POLISH_NODE_LIMIT_S))
+            hoods.append((0.0, "nodes", range(a, min(an.n, a + band_nodes)), POLISH_NODE_LIMIT_S))
         step = max(1, span // 2)
         for a in range(0, an.T, step):
-            stages = range(a, min(an.T, a + span))
-            hoods.append((sum(work[s] for s in stages), "stages", stages, POLISH_SUB_LIMIT_S))
+            hoods.append((0.0, "stages", range(a, min(an.T, a + span)), POLISH_SUB_LIMIT_S))
         # in POLISH_ORDER (see there). Until session 71 every stage band first, then every node
         # band: small sub-MILPs first (quick steps from a rough plan), then moves stage bands
         # cannot make; each family by recompute work. Measured on ResNet-50
         # b8 224, 60-s solves, against stage bands alone: never worse, kept gradients 0.4 1.5763
         # -> 1.5665 s, Adam in the backward 1/3 1.7696 -> 1.7583; node bands first lost at 1/3
         # and at Adam 0.25 (1.8213 -> 1.8396: their 5-s sub-MILPs took the time)
-        hoods = _band_order(hoods)
-        todo = hoods[::-1]  # (popped from the end: in order)
+        todo = _ranked(hoods, an, plan)[::-1]  # (popped from the end: in order)
         running: dict = {}  # future -> its neighbourhood
         with ThreadPoolExecutor(workers) as pool:
             while todo or running:
@@ -577,8 +574,29 @@ def polish(
                         x = form.plan_to_vector(plan)
                         current = res.objective
                         improved = True
+                        if POLISH_RERANK and todo:
+                            todo = _ranked(todo, an, plan)[::-1]
         if deadline - time.perf_counter() < 1.0:
             return
+
+
+def _ranked(hoods: list, an, plan: Plan) -> list:
+    """The neighbourhoods (work, kind, band, limit), each with the recompute time `plan` spends
+    inside its band (a node band: its nodes' recomputations at every stage; a stage band: every
+    recomputation in its stages), in the order a pass visits them (`_band_order`)."""
+    recomputed = [0.0] * an.n  # recompute time of each node in the plan, over all stages
+    work = [0.0] * an.T  # recompute time of each stage
+    for s, st in enumerate(plan.stages):
+        for i, m, g in st.recompute:
+            cost = an.entry_time(an.bw[s], i, m, g, plan.impl[i])
+            recomputed[i] += cost
+            work[s] += cost
+    return _band_order(
+        [
+            (sum((recomputed if kind == "nodes" else work)[k] for k in band), kind, band, limit)
+            for _w, kind, band, limit in hoods
+        ]
+    )
 
 
 def _band_order(hoods: list) -> list:

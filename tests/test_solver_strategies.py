@@ -557,6 +557,63 @@ def test_polishing_visits_the_bands_that_recompute_the_most_first(order, monkeyp
             assert kinds[: 2 * pairs] == ["stages", "nodes"] * pairs, kinds
 
 
+@pytest.mark.parametrize("rerank", [True, False])
+def test_polishing_ranks_the_bands_left_again_on_an_improved_plan(rerank, monkeypatch):
+    """`POLISH_RERANK`: once a band improves the plan, the bands left in the pass are visited by the
+    recompute work of the improved plan (here checkpoint-everything's, offered as the first band's
+    result), not of the plan the pass started from (sqrt(n)'s)."""
+    import concurrent.futures
+    import time
+
+    from solver.formulation import MilpResult
+
+    form, plan, _accept, _times = _from_sqrt_n("resnet_bneck60")
+    an = form.an
+    p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
+    better = B.plan_of(p, B.checkpoint_all(p))
+    before = form.objective(form.plan_to_vector(plan))
+
+    def work_in(of, kind, band):
+        total = 0.0
+        for s, st in enumerate(of.stages):
+            for i, m, g in st.recompute:
+                if (i if kind == "nodes" else s) in band:
+                    total += an.entry_time(an.bw[s], i, m, g, of.impl[i])
+        return total
+
+    visited = []  # (kind, band), in the order polishing starts the bands
+
+    def record(pool, form, x, integer, hood, span, deadline, threads):
+        _work, kind, band, _limit = hood
+        visited.append((kind, band))
+        done = concurrent.futures.Future()
+        if len(visited) == 1:  # the first band "finds" the other plan (claimed faster)
+            done.set_result(MilpResult(better, "time_limit", before - 1.0, None, None, 0.0, 0.0, 0, 0))
+        else:  # (no plan, not proven: the pass ends, and polishing)
+            done.set_result(MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, 0, 0))
+        return done
+
+    monkeypatch.setattr(local_search, "POLISH_ORDER", "by_work")
+    monkeypatch.setattr(local_search, "POLISH_RERANK", rerank)
+    monkeypatch.setattr(local_search, "_start_band", record)
+    local_search.polish(
+        form, plan, time.perf_counter() + 30.0, threads=2, verbose=False, accept=lambda plan, objective: True
+    )
+    # (two bands start together, the rest of the pass after the first one's improvement; then a
+    # second pass, from the improved plan)
+    every = len(range(0, an.n, local_search.POLISH_NODES // 2)) + len(
+        range(0, an.T, local_search.POLISH_SPAN // 2)
+    )
+    assert len(visited) == 2 * every
+    later = visited[2:every]
+    new_work = [work_in(better, kind, band) for kind, band in later]
+    old_work = [work_in(plan, kind, band) for kind, band in later]
+    ranked, unranked = (new_work, old_work) if rerank else (old_work, new_work)
+    assert len(later) > 5
+    assert ranked == sorted(ranked, reverse=True), later
+    assert unranked != sorted(unranked, reverse=True), later  # (the two orders differ here)
+
+
 def test_polish_widens_its_bands_when_every_band_is_optimal(monkeypatch):
     """A pass in which every band's sub-MILP is solved to optimality and none improves proves the
     plan optimal in every band of that size: polishing then doubles the bands and goes on, and the
