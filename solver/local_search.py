@@ -479,13 +479,14 @@ def polish(
       1/3: 1.6853 s after 54 s of stage bands, 1.6876 -> 1.6649 s in 50 s of node bands, 1.6542 s
       in 150 s, below a 600-s solve's 1.6573).
     Within each family, bands that recompute the most are visited first (the families in
-    `POLISH_ORDER`): there is the most to win, and time may run out. A pass that improves
-    nothing, with every band's sub-MILP solved to optimality, proves the plan optimal in every band of that size: the bands then double (while
-    a node band fits in the graph) and polishing goes on (356-node synthetic ResNet at 0.33: no
-    16-stage or 24-node band improved RINS' plan, each solved in 0.3-0.7 s; doubled bands did,
-    1.5877 -> 1.5839 s in 40 s). Every improved plan is a plan of `form`'s MILP (its dual bound
-    still bounds it). Up to POLISH_WORKERS bands are solved at once, each HiGHS run in a thread of its own on one
-    core; a band started before another band's improvement is kept only if it beats that.
+    `POLISH_ORDER`): there is the most to win, and time may run out. A pass that improves nothing,
+    with every band's sub-MILP solved to optimality, proves the plan optimal in every band of that
+    size: the bands then double (while a node band fits in the graph) and polishing goes on
+    (356-node synthetic ResNet at 0.33: no 16-stage or 24-node band improved RINS' plan, each
+    solved in 0.3-0.7 s; doubled bands did, 1.5877 -> 1.5839 s in 40 s). Every improved plan is a
+    plan of `form`'s MILP (its dual bound still bounds it). Up to POLISH_WORKERS bands are solved
+    at once, each HiGHS run in a thread of its own on one core; a band started before another
+    band's improvement is kept only if it beats that.
     `accept(plan, objective)` replays and keeps a plan; `stop()`, if given, ends polishing early
     (no further band starts once it returns True); `adopt(objective)`, if given, returns a plan
     of `form` faster than the objective given, found elsewhere, and its objective (polishing goes

@@ -506,6 +506,24 @@ def test_node_bands_improve_a_plan_without_stage_bands(name, monkeypatch):
     assert len(times) > 1, "no node band improved sqrt(n) checkpointing"
 
 
+def _work_in(an, plan, kind: str, band: range) -> float:
+    """The recompute time `plan` spends inside a polishing band: a node band's nodes at every
+    stage, or every recomputation in a stage band's stages."""
+    total = 0.0
+    for s, st in enumerate(plan.stages):
+        for i, m, g in st.recompute:
+            if (i if kind == "nodes" else s) in band:
+                total += an.entry_time(an.bw[s], i, m, g, plan.impl[i])
+    return total
+
+
+def _bands_per_pass(an) -> int:
+    """How many bands one polishing pass visits at the first band size (sliding by half a band)."""
+    return len(range(0, an.n, local_search.POLISH_NODES // 2)) + len(
+        range(0, an.T, local_search.POLISH_SPAN // 2)
+    )
+
+
 @pytest.mark.parametrize("order", ["stages_first", "by_work", "alternate"])
 def test_polishing_visits_the_bands_that_recompute_the_most_first(order, monkeypatch):
     """One pass's order (`POLISH_ORDER`): each family of bands, stage and node bands, by the
@@ -518,17 +536,11 @@ def test_polishing_visits_the_bands_that_recompute_the_most_first(order, monkeyp
 
     form, plan, _accept, _times = _from_sqrt_n("resnet_bneck60")
     an = form.an
-    recomputed, work = [0.0] * an.n, [0.0] * an.T
-    for s, st in enumerate(plan.stages):
-        for i, m, g in st.recompute:
-            cost = an.entry_time(an.bw[s], i, m, g, plan.impl[i])
-            recomputed[i] += cost
-            work[s] += cost
     visited = []  # (kind, its recompute work), in the order polishing starts the bands
 
     def record(pool, form, x, integer, hood, span, deadline, threads):
         _work, kind, band, _limit = hood
-        visited.append((kind, sum((recomputed if kind == "nodes" else work)[k] for k in band)))
+        visited.append((kind, _work_in(an, plan, kind, band)))
         done = concurrent.futures.Future()  # (no plan, not proven: the pass ends, and polishing)
         done.set_result(MilpResult(None, "time_limit", None, None, None, 0.0, 0.0, 0, 0))
         return done
@@ -540,10 +552,7 @@ def test_polishing_visits_the_bands_that_recompute_the_most_first(order, monkeyp
     stages = [w for kind, w in visited if kind == "stages"]
     nodes = [w for kind, w in visited if kind == "nodes"]
     assert stages and nodes, visited
-    every = len(range(0, an.n, local_search.POLISH_NODES // 2)) + len(
-        range(0, an.T, local_search.POLISH_SPAN // 2)
-    )
-    assert len(visited) == every  # (every band once)
+    assert len(visited) == _bands_per_pass(an)  # (every band once)
     if order == "by_work":
         works = [w for _, w in visited]
         assert works == sorted(works, reverse=True), visited
@@ -572,15 +581,6 @@ def test_polishing_ranks_the_bands_left_again_on_an_improved_plan(rerank, monkey
     p = _without_forward_in_place(PROBLEMS["resnet_bneck60"])
     better = B.plan_of(p, B.checkpoint_all(p))
     before = form.objective(form.plan_to_vector(plan))
-
-    def work_in(of, kind, band):
-        total = 0.0
-        for s, st in enumerate(of.stages):
-            for i, m, g in st.recompute:
-                if (i if kind == "nodes" else s) in band:
-                    total += an.entry_time(an.bw[s], i, m, g, of.impl[i])
-        return total
-
     visited = []  # (kind, band), in the order polishing starts the bands
 
     def record(pool, form, x, integer, hood, span, deadline, threads):
@@ -601,13 +601,11 @@ def test_polishing_ranks_the_bands_left_again_on_an_improved_plan(rerank, monkey
     )
     # (two bands start together, the rest of the pass after the first one's improvement; then a
     # second pass, from the improved plan)
-    every = len(range(0, an.n, local_search.POLISH_NODES // 2)) + len(
-        range(0, an.T, local_search.POLISH_SPAN // 2)
-    )
+    every = _bands_per_pass(an)
     assert len(visited) == 2 * every
     later = visited[2:every]
-    new_work = [work_in(better, kind, band) for kind, band in later]
-    old_work = [work_in(plan, kind, band) for kind, band in later]
+    new_work = [_work_in(an, better, kind, band) for kind, band in later]
+    old_work = [_work_in(an, plan, kind, band) for kind, band in later]
     ranked, unranked = (new_work, old_work) if rerank else (old_work, new_work)
     assert len(later) > 5
     assert ranked == sorted(ranked, reverse=True), later
