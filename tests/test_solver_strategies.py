@@ -987,6 +987,43 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     assert res.dual_bound <= times[-1] * (1 + 1e-9)
 
 
+def test_polishing_beside_highs_goes_on_to_the_deadline_when_highs_runs_out_of_its_own_time(monkeypatch):
+    """HiGHS' run beside polishing ending on its own time limit before the deadline (its clock is
+    the system's: a jump in it ended a 60-s solve's run 20 s early in session 72) does not end
+    polishing: bands go on starting after it, up to the deadline."""
+    import time
+
+    from solver.formulation import MilpResult
+
+    form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
+    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
+    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
+    real = Formulation.solve_highs
+    band_starts, highs_ended = [], []
+
+    def timed(self, *args, **kwargs):
+        if kwargs.get("fixed"):  # a polishing band
+            band_starts.append(time.perf_counter())
+            time.sleep(0.3)
+            return real(self, *args, **kwargs)
+        time.sleep(0.5)  # HiGHS' run: "time limit reached" by its own clock, no plan, no bound
+        highs_ended.append(time.perf_counter())
+        return MilpResult(None, "time_limit", None, None, None, 0.5, 0.0, self.n_cols, self.n_rows)
+
+    monkeypatch.setattr(Formulation, "solve_highs", timed)
+    t0 = time.perf_counter()
+    res = local_search.highs_beside_polish(
+        form, plan, form.plan_to_vector(plan), t0 + 4.0, 1e-6, 2, False, accept
+    )
+    took = time.perf_counter() - t0
+    assert res.status == "time_limit" and highs_ended
+    after = [t for t in band_starts if t > highs_ended[0]]
+    assert len(after) >= 3, (
+        f"{len(after)} bands started after HiGHS' run ended at {highs_ended[0] - t0:.1f} s"
+    )
+    assert took > 3.0, f"polishing stopped at {took:.1f} s of 4"
+
+
 def test_polishing_beside_highs_stops_once_a_bound_from_elsewhere_proves_the_plan(monkeypatch):
     """Once `proven()` says the best plan is proven within the gap (by HiGHS' early run on the
     window's own MILP, in `solve`), polishing starts no further band and HiGHS' run beside it is
