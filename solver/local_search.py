@@ -49,6 +49,8 @@ POLISH_RERANK = True
 POLISH_WORKERS = 2
 # polishing beside HiGHS goes on from faster plans found beside it (`highs_beside_polish`)
 ADOPT = True
+# ... with this many threads (bands at once, up to POLISH_WORKERS), HiGHS' run on another
+BESIDE_THREADS = 1
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
 # share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
 # many rounds (each re-fixes what agrees with the new incumbent) it may run from one start alone
@@ -263,7 +265,12 @@ def rins(
 # heuristics (effort 0) let a 24-s run beside polishing branch where it had stayed at its root
 # (gap 7.2 -> 5.8 %), but HiGHS' own heuristics found the best plan elsewhere (Adam step in the
 # backward, 0.33: 1.5743 s against polishing's 1.5806), and since session 52 the run starts beside
-# RINS with time for them: they stay (session 52's rows, benchmarks/results/session52)
+# RINS with time for them: they stay (session 52's rows, benchmarks/results/session52). Session 72
+# (kept 0.33, 60 s): the root's heuristics take 47k of 75k LP iterations and ~24 s and find
+# nothing, but with them off (effort 0 alone leaves them on; mip_heuristic_run_rens, _rins,
+# _root_reduced_cost, _feasibility_jump false) the root ends at ~19 s and its branching lifts the
+# bound only 1.2144 -> 1.2150, while the busier thread slows RINS beside it: 1.2279 and 1.2439 s
+# against 1.2238-1.2264 (benchmarks/results/session72)
 BOUND_OPTIONS = {"mip_pscost_minreliable": 0}
 
 
@@ -460,7 +467,16 @@ def highs_beside_polish(
         return False
 
     try:
-        polish(form, plan, deadline, 1, verbose, accept_offer, stop=stop, adopt=adopt if ADOPT else None)
+        polish(
+            form,
+            plan,
+            deadline,
+            BESIDE_THREADS,
+            verbose,
+            accept_offer,
+            stop=stop,
+            adopt=adopt if ADOPT else None,
+        )
     except BaseException:
         run.cancel()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise
