@@ -49,8 +49,10 @@ POLISH_RERANK = True
 POLISH_WORKERS = 2
 # polishing beside HiGHS goes on from faster plans found beside it (`highs_beside_polish`)
 ADOPT = True
-# ... with this many threads (bands at once, up to POLISH_WORKERS), HiGHS' run on another
-BESIDE_THREADS = 1
+# (beside HiGHS' run polishing has one thread, one band at a time. Two bands at once beside it,
+# session 72, 60 s: ResNet-50 b8 224 kept 0.33 1.2317 s in three runs against 1.2238-1.2264, the
+# 356-node synthetic DAG at 0.4 1.5142 twice against 1.5254 but at 0.33 1.5877 against 1.5580:
+# more bands end, on another path; not adopted)
 # time mode: RINS (relaxation-induced neighbourhood search) before each window's MILP: the
 # share of the remaining time its LP relaxation may take, each sub-MILP's time limit, and how
 # many rounds (each re-fixes what agrees with the new incumbent) it may run from one start alone
@@ -467,16 +469,7 @@ def highs_beside_polish(
         return False
 
     try:
-        polish(
-            form,
-            plan,
-            deadline,
-            BESIDE_THREADS,
-            verbose,
-            accept_offer,
-            stop=stop,
-            adopt=adopt if ADOPT else None,
-        )
+        polish(form, plan, deadline, 1, verbose, accept_offer, stop=stop, adopt=adopt if ADOPT else None)
     except BaseException:
         run.cancel()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise
