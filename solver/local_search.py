@@ -308,6 +308,7 @@ class BoundRun:
         self.best = form.objective(warm) if warm is not None else float("inf")
         self._out: dict = {}
         self.started = not after  # HiGHS has started (not while it waits for `after`)
+        self.ended_at: float | None = None  # when the run ended (perf_counter)
         # (vector, objective) of the best plan HiGHS found itself, better than every plan offered
         # to it (its heuristics or its tree), not yet taken by `take_found`
         self._found = None
@@ -337,6 +338,7 @@ class BoundRun:
             except BaseException as exc:  # (raised again in the caller's thread)
                 self._out["error"] = exc
             finally:
+                self.ended_at = time.perf_counter()
                 self.done.set()
 
         self._thread = threading.Thread(target=run, name="monet-opt-highs", daemon=True)
@@ -473,7 +475,14 @@ def highs_beside_polish(
     except BaseException:
         run.cancel()  # (Ctrl-C in the CLI: no wait for HiGHS' deadline)
         raise
-    return run.result()
+    res = run.result()
+    early = deadline - (run.ended_at or deadline)
+    if res.status == "time_limit" and early > 2.0 and not proven_once[0]:
+        log(
+            verbose,
+            f"HiGHS' run ended on its own time limit {early:.0f} s before the deadline; polishing went on",
+        )
+    return res
 
 
 def polish(

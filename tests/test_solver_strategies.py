@@ -987,10 +987,12 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     assert res.dual_bound <= times[-1] * (1 + 1e-9)
 
 
-def test_polishing_beside_highs_goes_on_to_the_deadline_when_highs_runs_out_of_its_own_time(monkeypatch):
+def test_polishing_beside_highs_goes_on_to_the_deadline_when_highs_runs_out_of_its_own_time(
+    monkeypatch, capfd
+):
     """HiGHS' run beside polishing ending on its own time limit before the deadline (its clock is
     the system's: a jump in it ended a 60-s solve's run 20 s early in session 72) does not end
-    polishing: bands go on starting after it, up to the deadline."""
+    polishing: bands go on starting after it, up to the deadline; the log says so."""
     import time
 
     from solver.formulation import MilpResult
@@ -1013,10 +1015,11 @@ def test_polishing_beside_highs_goes_on_to_the_deadline_when_highs_runs_out_of_i
     monkeypatch.setattr(Formulation, "solve_highs", timed)
     t0 = time.perf_counter()
     res = local_search.highs_beside_polish(
-        form, plan, form.plan_to_vector(plan), t0 + 4.0, 1e-6, 2, False, accept
+        form, plan, form.plan_to_vector(plan), t0 + 4.0, 1e-6, 2, True, accept
     )
     took = time.perf_counter() - t0
     assert res.status == "time_limit" and highs_ended
+    assert "HiGHS' run ended on its own time limit 3 s before the deadline" in capfd.readouterr().err
     after = [t for t in band_starts if t > highs_ended[0]]
     assert len(after) >= 3, (
         f"{len(after)} bands started after HiGHS' run ended at {highs_ended[0] - t0:.1f} s"
