@@ -23,4 +23,13 @@ if len(sys.argv) > 2:
     options["objective_bound"] = float(sys.argv[2]) * factor * (1 + 1e-6)
 t0 = time.perf_counter()
 res = form.solve_highs(float(sys.argv[1]), mip_gap=0.01, threads=1, options=options, verbose=False)
-print("RESULT cutoff", sys.argv[2:] or "none", res.status, "bound", res.dual_bound, "in", round(time.perf_counter() - t0, 1), "s")
+print(
+    "RESULT cutoff",
+    sys.argv[2:] or "none",
+    res.status,
+    "bound",
+    res.dual_bound,
+    "in",
+    round(time.perf_counter() - t0, 1),
+    "s",
+)
