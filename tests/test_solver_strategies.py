@@ -952,6 +952,28 @@ def test_an_error_while_polishing_stops_highs_beside_it():
     assert took < 40.0, f"the error reached the caller after {took:.0f} s"
 
 
+def _slow_single_bands(monkeypatch, highs=None) -> list:
+    """Polishing bands of one stage or node, each made to take 0.3 s before its sub-MILP runs;
+    returns the list their start times go into. `highs(self, real, *args, **kwargs)`, if given,
+    stands in for every other HiGHS run (the run beside polishing); else it runs as it is."""
+    import time
+
+    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
+    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
+    real = Formulation.solve_highs
+    band_starts = []
+
+    def timed(self, *args, **kwargs):
+        if kwargs.get("fixed"):  # a polishing band
+            band_starts.append(time.perf_counter())
+            time.sleep(0.3)
+            return real(self, *args, **kwargs)
+        return real(self, *args, **kwargs) if highs is None else highs(self, real, *args, **kwargs)
+
+    monkeypatch.setattr(Formulation, "solve_highs", timed)
+    return band_starts
+
+
 def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     """When HiGHS proves its MILP optimal, polishing beside it stops (no band starts after that)
     and the pair returns long before the deadline; every plan polishing offered replayed and fit.
@@ -959,21 +981,14 @@ def test_polishing_beside_highs_stops_when_highs_ends(monkeypatch):
     import time
 
     form, plan, accept, times = _from_sqrt_n("random24")
-    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
-    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
-    real = Formulation.solve_highs
-    band_starts, highs_ended = [], []
+    highs_ended = []
 
-    def timed(self, *args, **kwargs):
-        if kwargs.get("fixed"):  # a polishing band
-            band_starts.append(time.perf_counter())
-            time.sleep(0.3)
-            return real(self, *args, **kwargs)
+    def highs(self, real, *args, **kwargs):
         res = real(self, *args, **kwargs)
         highs_ended.append(time.perf_counter())
         return res
 
-    monkeypatch.setattr(Formulation, "solve_highs", timed)
+    band_starts = _slow_single_bands(monkeypatch, highs)
     t0 = time.perf_counter()
     res = local_search.highs_beside_polish(
         form, plan, form.plan_to_vector(plan), t0 + 120.0, 1e-4, 2, False, accept
@@ -998,21 +1013,14 @@ def test_polishing_beside_highs_goes_on_to_the_deadline_when_highs_runs_out_of_i
     from solver.formulation import MilpResult
 
     form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
-    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
-    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
-    real = Formulation.solve_highs
-    band_starts, highs_ended = [], []
+    highs_ended = []
 
-    def timed(self, *args, **kwargs):
-        if kwargs.get("fixed"):  # a polishing band
-            band_starts.append(time.perf_counter())
-            time.sleep(0.3)
-            return real(self, *args, **kwargs)
+    def highs(self, real, *args, **kwargs):
         time.sleep(0.5)  # HiGHS' run: "time limit reached" by its own clock, no plan, no bound
         highs_ended.append(time.perf_counter())
         return MilpResult(None, "time_limit", None, None, None, 0.5, 0.0, self.n_cols, self.n_rows)
 
-    monkeypatch.setattr(Formulation, "solve_highs", timed)
+    band_starts = _slow_single_bands(monkeypatch, highs)
     t0 = time.perf_counter()
     res = local_search.highs_beside_polish(
         form, plan, form.plan_to_vector(plan), t0 + 4.0, 1e-6, 2, True, accept
@@ -1036,18 +1044,8 @@ def test_polishing_beside_highs_stops_once_a_bound_from_elsewhere_proves_the_pla
     import time
 
     form, plan, accept, times = _from_sqrt_n("resnet_bneck60")
-    monkeypatch.setattr(local_search, "POLISH_SPAN", 1)
-    monkeypatch.setattr(local_search, "POLISH_NODES", 1)
-    band_starts, asked = [], []
-    real = Formulation.solve_highs
-
-    def timed(self, *args, **kwargs):
-        if kwargs.get("fixed"):  # a polishing band
-            band_starts.append(time.perf_counter())
-            time.sleep(0.3)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Formulation, "solve_highs", timed)
+    band_starts = _slow_single_bands(monkeypatch)
+    asked = []
 
     def proven() -> bool:
         asked.append(time.perf_counter())
