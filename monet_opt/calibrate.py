@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -62,6 +63,7 @@ class _StepTimer:
         ex = self.wrapped.executor
         ex.separate_graphs()  # a group's one backward call would time all its nodes as its first
         self.timer = NodeTimer(ex, example_inputs)
+        self.step_s: list[float] = []  # whole recorded steps (node timers on)
 
     def step(self, record: bool) -> None:
         from monet_opt.bench import training_step
@@ -69,31 +71,64 @@ class _StepTimer:
         self.timer.recording = record
         restore_training_modes(self.model, self.modes)
         self.model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         training_step(self.wrapped, self.inputs)
+        if record:
+            self.step_s.append(time.perf_counter() - t0)
 
     def medians(self) -> tuple[dict, dict]:
         return self.timer.medians(FORWARD), self.timer.backward_medians()
 
 
 def in_situ_times(
-    model: nn.Module, example_inputs: tuple, problem: Problem, steps: int, impls: list[str | None]
+    model: nn.Module,
+    example_inputs: tuple,
+    problem: Problem,
+    steps: int,
+    impls: list[str | None],
+    step_times: dict | None = None,
 ) -> dict:
     """Per implementation name (None: every node's default), ({node: median forward s},
     {node: median backward s}) inside real training steps of the no-recompute schedule in which
     every node that has that implementation runs it. The names' steps are interleaved (round k
     runs one step of each), so that a machine's drift during calibration (measured: the default
     pass's forwards 28 % over their isolated times, where a quiet run matches them) scales all
-    implementations alike instead of favouring some."""
+    implementations alike instead of favouring some.
+
+    step_times: if given, gets the median whole-step seconds of each name's steps under "by
+    implementation", and under "plain" the median of plain PyTorch's steps (the model itself,
+    unwrapped), one in each round beside them."""
+    from monet_opt.bench import training_step
+
     saved = _save_model_state(model)  # before tracing: it may draw random numbers too
+    plain: list[float] = []
     try:
         timers = {name: _StepTimer(model, example_inputs, problem, name) for name in impls}
+        modes = next(iter(timers.values())).modes if timers else None
+
+        def plain_step() -> None:
+            # timed after an untimed step of its own: a step right after another model's pays
+            # for the allocator state that one left (`monet_opt.bench.interleaved_samples`)
+            for record in (False, True):
+                restore_training_modes(model, modes)
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                training_step(model, example_inputs)
+                if record:
+                    plain.append(time.perf_counter() - t0)
+
         for timer in timers.values():
             timer.step(record=False)  # warm-up
         for _ in range(steps):
             for timer in timers.values():
                 timer.step(record=True)
+            if step_times is not None:
+                plain_step()
     finally:
         _restore_model_state(model, saved)
+    if step_times is not None:
+        step_times["by implementation"] = {name: statistics.median(t.step_s) for name, t in timers.items()}
+        step_times["plain"] = statistics.median(plain)
     return {name: timer.medians() for name, timer in timers.items()}
 
 
@@ -106,7 +141,8 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
             if im.name not in names:
                 names.append(im.name)
     keys = [None if name == default else name for name in names]
-    times = in_situ_times(model, example_inputs, problem, steps, keys)
+    step_times: dict = {}
+    times = in_situ_times(model, example_inputs, problem, steps, keys, step_times)
     measured = {name: times[key] for name, key in zip(names, keys)}
     fwd0, bwd0 = measured[default]
     nodes = []
@@ -138,6 +174,10 @@ def calibrate_in_situ(model: nn.Module, example_inputs: tuple, problem: Problem,
         "steps": steps,
         "implementations": names,
         "freed_memory_kept": freed_memory_kept(),
+        # whole steps, medians: plain PyTorch's, and the no-recompute schedule's with default
+        # implementations as timed here (one graph per node, node timers on); `step_estimate`
+        "plain_step_s": round(step_times["plain"], 6),
+        "no_recompute_step_s": round(step_times["by implementation"][None], 6),
     }
     return dataclasses.replace(problem, nodes=nodes, meta=meta)
 
@@ -256,6 +296,27 @@ def calibrate_on_schedule(
     )
     meta["schedule_calibration"] = rounds
     return dataclasses.replace(problem, nodes=nodes, meta=meta)
+
+
+def step_estimate(problem: Problem, schedule) -> tuple[float, float] | None:
+    """(a schedule's step seconds estimated for a real step, plain PyTorch's measured step
+    seconds), from a problem calibrated in steps (`calibrate_in_situ`), else None.
+
+    The simulator's time is the sum of the nodes' in-step times; a real step also runs the loss,
+    the autograd engine and the runtime between nodes. The estimate adds what the calibration's
+    no-recompute steps took beyond their nodes. Plain PyTorch's step is measured, not predicted:
+    it runs its whole backward in one engine call where the runtime makes one per node (or group)
+    of a recomputing schedule, so on ResNet-50 b8 224 (CPU, AMD EPYC) it was 1.5-2.5 % faster than
+    the no-recompute prediction, and overheads against the prediction came out that much too low."""
+    from solver.baselines import no_recompute
+    from solver.simulate import simulate
+
+    info = problem.meta.get("in_situ_calibration") or {}
+    plain, base = info.get("plain_step_s"), info.get("no_recompute_step_s")
+    if not plain or not base:
+        return None
+    rest = base - simulate(problem, no_recompute(problem)).time_s
+    return simulate(problem, schedule).time_s + rest, plain
 
 
 def _scale(in_step: float | None, isolated: float) -> float:

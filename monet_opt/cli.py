@@ -214,6 +214,7 @@ def _summary(problem, schedule) -> str:
         f"overhead {sim.time_s / base_time - 1:+.1%})"
         if base_time
         else f"predicted time   {sim.time_s:.3f} s",
+        *_against_plain(problem, schedule),
         f"recomputed       {len(rec)} of {len(problem.nodes)} nodes"
         + (f": {', '.join(list(rec)[:12])}{' ...' if len(rec) > 12 else ''}" if rec else ""),
         f"implementations  {len(changed)} non-default"
@@ -224,6 +225,22 @@ def _summary(problem, schedule) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _against_plain(problem, schedule) -> list[str]:
+    """The summary's line for the overhead against plain PyTorch's step as measured while
+    calibrating (`monet_opt.calibrate.step_estimate`); none for an uncalibrated problem."""
+    from monet_opt.calibrate import step_estimate
+
+    est = step_estimate(problem, schedule)
+    if est is None:
+        return []
+    step, plain = est
+    return [
+        f"against plain    {step / plain - 1:+.1%} (estimated step {step * 1e3:.1f} ms against plain PyTorch's "
+        f"{plain * 1e3:.1f} ms, measured while calibrating"
+        + ("; the optimizer step left out of both)" if schedule.meta.get("step_in_backward") else ")")
+    ]
 
 
 def cmd_solve(args) -> int:

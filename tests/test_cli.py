@@ -142,6 +142,7 @@ def test_keep_freed_memory_is_applied_before_calibrating(tmp_path):
         text=True,
     )
     assert out.returncode == 0, out.stderr
+    assert "against plain    " in out.stdout  # (calibrated: the overhead against plain's measured step)
     meta = Problem.from_json(prob_path).meta
     kept = sys.platform.startswith("linux")  # glibc's mallopt
     assert meta["in_situ_calibration"]["freed_memory_kept"] is kept

@@ -116,7 +116,8 @@ def test_in_situ_calibration_times_every_implementation_and_restores_the_model(b
     """Calibrated times are each implementation's own in-step times (every implementation name
     gets its steps), memory fields unchanged; the calibration's training steps leave buffers,
     gradients and the RNG as they were."""
-    from monet_opt.calibrate import calibrate_in_situ
+    from monet_opt.calibrate import calibrate_in_situ, step_estimate
+    from solver.baselines import no_recompute
 
     _, model, x, _ = built
     raw = build_problem(model, (x,), progress=False, repeats=1, calibrate=False)
@@ -131,6 +132,12 @@ def test_in_situ_calibration_times_every_implementation_and_restores_the_model(b
     assert cal.fingerprint == raw.fingerprint
     info = cal.meta["in_situ_calibration"]
     assert info["fwd_in_step_s"] > 0
+    # whole steps timed too: plain PyTorch's and the no-recompute schedule's, which the estimate
+    # of a real step reproduces for that schedule (its nodes' times plus the rest of its step)
+    assert info["plain_step_s"] > 0 and info["no_recompute_step_s"] > info["fwd_in_step_s"]
+    step, plain = step_estimate(cal, no_recompute(cal))
+    assert step == pytest.approx(info["no_recompute_step_s"]) and plain == info["plain_step_s"]
+    assert step_estimate(raw, no_recompute(raw)) is None  # (not calibrated in steps)
     names = {im.name for n in raw.nodes for im in n.impls}
     assert set(info["implementations"]) == names and len(names) > 1
     changed = alt_changed = 0
