@@ -34,6 +34,7 @@ from torch import nn
 
 import solver
 from monet_opt.bench import measure_step, paired_times, training_step, zero_grad
+from monet_opt.calibrate import step_estimate
 from monet_opt.malloc import keep_freed_memory
 from monet_opt.models import TokenLogits
 from monet_opt.pipeline import refine_schedule, sweep_model
@@ -458,6 +459,9 @@ def run(args) -> list[Row]:
             return measure_paired(model, wrapped, inputs, args.steps, quartiles)
 
         note = f"{n_rec} nodes recomputed, {n_impl} non-default impls"
+        estimate = None if args.refine else step_estimate(problem, sched)
+        if estimate is not None:  # (calibrated: against plain's step measured while calibrating)
+            note += f"; estimated {estimate[0] / estimate[1] - 1:+.1%} vs plain"
         row = solved_row("monet-opt", label, sched, budget_bytes, note, measure)
         rows.append(row)
         log(f"  {row}")
