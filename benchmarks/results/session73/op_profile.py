@@ -5,25 +5,13 @@ run with one graph per node (`executor.separate_graphs()`), ResNet-50 b8 224, 3 
     python benchmarks/results/session73/op_profile.py
 """
 
-import copy
-
-import torch
-import torchvision
+from fwd_bwd_split import resnet50_runs  # (this directory)
 from torch.profiler import ProfilerActivity, profile
 
 from monet_opt.bench import timed_step
-from monet_opt.malloc import keep_freed_memory
-from monet_opt.profile import build_problem
-from monet_opt.runtime import MonetWrapper
-from solver import baselines
 
-keep_freed_memory()
-torch.manual_seed(0)
-model = torchvision.models.resnet50(weights=None).train()
-x = torch.randn(8, 3, 224, 224)
-problem = build_problem(model, (x,), progress=False, repeats=1)
-w = MonetWrapper(copy.deepcopy(model), baselines.no_recompute(problem), example_inputs=(x,))
-w.executor.separate_graphs()
+runs, x = resnet50_runs()
+model, w = runs["plain"], runs["one graph per node"]
 
 
 def prof(m, steps=3):
