@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -66,15 +65,13 @@ class _StepTimer:
         self.step_s: list[float] = []  # whole recorded steps (node timers on)
 
     def step(self, record: bool) -> None:
-        from monet_opt.bench import training_step
+        from monet_opt.bench import timed_step
 
         self.timer.recording = record
         restore_training_modes(self.model, self.modes)
-        self.model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        training_step(self.wrapped, self.inputs)
+        seconds = timed_step(self.wrapped, self.inputs)  # (gradients zeroed first, CUDA synchronised)
         if record:
-            self.step_s.append(time.perf_counter() - t0)
+            self.step_s.append(seconds)
 
     def medians(self) -> tuple[dict, dict]:
         return self.timer.medians(FORWARD), self.timer.backward_medians()
@@ -98,7 +95,7 @@ def in_situ_times(
     step_times: if given, gets the median whole-step seconds of each name's steps under "by
     implementation", and under "plain" the median of plain PyTorch's steps (the model itself,
     unwrapped), one in each round beside them."""
-    from monet_opt.bench import training_step
+    from monet_opt.bench import timed_step
 
     saved = _save_model_state(model)  # before tracing: it may draw random numbers too
     plain: list[float] = []
@@ -111,11 +108,9 @@ def in_situ_times(
             # for the allocator state that one left (`monet_opt.bench.interleaved_samples`)
             for record in (False, True):
                 restore_training_modes(model, modes)
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                training_step(model, example_inputs)
+                seconds = timed_step(model, example_inputs)
                 if record:
-                    plain.append(time.perf_counter() - t0)
+                    plain.append(seconds)
 
         for timer in timers.values():
             timer.step(record=False)  # warm-up
