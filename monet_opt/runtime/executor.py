@@ -552,6 +552,9 @@ class ScheduleExecutor:
         if self.param_step is not None:
             self._count_param_readers()
         self.attachable = _ATTACHED and not self.deferred and self._one_plain_graph()
+        # the schedule's run inside the caller's backward call (`runtime/one_call.py`): False
+        # until the wrapper asks, then a `OneCall` or None
+        self.one_call: Any = False
 
     def _one_plain_graph(self) -> bool:
         """The schedule runs the model as plain PyTorch would: nothing computed in a backward
@@ -701,6 +704,14 @@ class ScheduleExecutor:
         `compute`: a `NodeTimer` times recomputations, and this is none.)"""
         self._compute(run, name, impl_name, True, True, None, state_only=True)
 
+    def state_impl(self, name: str, impl_name: str) -> Implementation:
+        """The implementation whose run makes the node's state from its inputs (`make_state`)."""
+        key = (name, impl_name)
+        if key not in self.state_impls:
+            impl = self.plans[name].impls[impl_name]
+            self.state_impls[key] = dataclasses.replace(impl, run=impl.state_from_inputs, replays=False)
+        return self.state_impls[key]
+
     def _compute(
         self, run: _StepRun, name: str, impl_name: str, grad, recompute, reuse, state_only=False
     ) -> None:
@@ -709,12 +720,7 @@ class ScheduleExecutor:
             self._restore(run, name, consumer_of(impl_name))
             return
         plan = self.plans[name]
-        impl = plan.impls[impl_name]
-        if state_only:
-            key = (name, impl_name)
-            if key not in self.state_impls:
-                self.state_impls[key] = dataclasses.replace(impl, run=impl.state_from_inputs, replays=False)
-            impl = self.state_impls[key]
+        impl = self.state_impl(name, impl_name) if state_only else plan.impls[impl_name]
         rng_ctx = None
         before = None
         saved: set[int] = set()

@@ -19,6 +19,7 @@ from monet_opt import autocast_regions, input_layout, root_hooks
 from monet_opt.keyword_inputs import KeywordRoot, StructuredRoot, as_traceable
 from monet_opt.runtime.executor import ScheduleExecutor
 from monet_opt.runtime.model_slots import ModelSlots
+from monet_opt.runtime.one_call import OneCall, why_not
 from monet_opt.step_in_backward import FINGERPRINT_SUFFIX, PerParameterSteps, optimizer_factory
 from solver.schedule import FingerprintMismatch, Schedule
 
@@ -545,6 +546,12 @@ class MonetWrapper(nn.Module):
             if self.grad_outputs is not None:
                 flat = _refuse_unsolved_gradients(flat, self.grad_outputs)
             out = tree_unflatten(flat, spec)
+        elif (one_call := self._one_call(executor, autocast)) is not None:
+            # recomputing, run inside the caller's one backward call (`runtime/one_call.py`)
+            flat, spec = one_call.run_forward(inputs)
+            if self.grad_outputs is not None:
+                flat = _refuse_unsolved_gradients(flat, self.grad_outputs)
+            out = tree_unflatten(flat, spec)
         else:
             box = _SpecBox()
             # the parameters, whose gradients leave through the step's node; with the optimizer
@@ -577,6 +584,17 @@ class MonetWrapper(nn.Module):
         return (
             executor.attachable and self.steps is None and not self.dropped_outputs and not executor.observers
         )
+
+    def _one_call(self, executor: ScheduleExecutor, autocast: tuple) -> OneCall | None:
+        """The schedule's run inside the caller's backward call (`runtime/one_call.py`), where the
+        schedule allows it (`one_call.why_not`) and nothing needs the wrapper's own autograd node
+        (as `_attaches`), without autocast; else None."""
+        if self.steps is not None or self.dropped_outputs or executor.observers or autocast:
+            return None
+        if executor.one_call is False:
+            executor.one_call = OneCall(executor) if why_not(executor) is None else None
+        one_call = executor.one_call
+        return one_call if one_call is not None and one_call.usable() else None
 
     def _refuse_unfrozen(self) -> None:
         solved = {id(p) for p, t in zip(self._all_params, self._solved_trainable) if t}
